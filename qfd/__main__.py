@@ -1,0 +1,3 @@
+from qfd.cli import main
+
+main()
