@@ -1,0 +1,38 @@
+"""`qfd generate`: stream a target model's answer to the terminal."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
+    @app.command()
+    def generate(
+        target: str = typer.Option(..., "--target", "-t", help="Target model: a directory, a hub id, or a built-in name (smollm2-135m)."),
+        prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt text."),
+        chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the model's chat template (one user turn)."),
+        max_new_tokens: int = typer.Option(256, "--max-new-tokens", "-n", help="Most tokens to generate."),
+        temperature: float = typer.Option(0.0, "--temperature", help="Sampling temperature; 0 = greedy."),
+        top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1 = off)."),
+        top_k: int = typer.Option(0, "--top-k", help="Keep only the k most likely tokens (0 = off)."),
+        seed: int = typer.Option(None, "--seed", help="Random seed for sampling."),
+        device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+        dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."),
+    ) -> None:
+        """Generate with the runtime target model, streaming tokens to stdout; stats go to stderr."""
+        from transformers.utils import logging as hf_logging
+
+        from qfd.console import console
+        from qfd.stages.generate import GenerateConfig, run
+
+        hf_logging.set_verbosity_error()  # keep the terminal to the answer and our stats line
+
+        cfg = GenerateConfig(target=target, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, device=device, dtype=dtype)
+        result = run(cfg)
+        typer.echo("")  # end the streamed line
+        end = "stop token" if result.stopped else "max tokens"
+        console.print(
+            f"[dim]{len(result.tokens)} tokens ({end}), {result.tokens_per_s:.1f} tokens/s, "
+            f"time to first token {result.ttft_s * 1000:.0f} ms, prompt {result.prompt_tokens} tokens[/dim]",
+            highlight=False,
+        )

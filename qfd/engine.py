@@ -1,0 +1,340 @@
+"""Stateful generation: target-only and speculative (DFlash) decoding, batch 1.
+
+The loop (method.md section 4; DFlash, arXiv 2602.06036):
+
+    prefill the prompt (target, with taps of the drafter's layers) -> first token
+    drafter.append_context(prompt taps)
+    each step, L = cache.length (committed tokens minus the last one, not yet fed):
+        drafts = drafter.draft(ctx, last, L)                  # B-1 proposals, one forward
+        out = target([last, *drafts], cache, taps)            # verify B tokens, one forward
+        verdict = verify(drafts, out.logits)                  # accepted n + bonus token
+        cache.rollback(L + n + 1); drafter.append_context(out.taps[:, :n + 1], L)
+
+Target-only decoding is the same loop with B = 1 (no drafts): one code path, so greedy
+speculative output equals greedy target-only output token for token. Every step verifies
+exactly B tokens (static shapes for CUDA graphs); the end of the token budget truncates the
+committed chunk instead of shrinking the block, which is why the caches hold max_len + B.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from qfd.errors import QfdError
+from qfd.speculative import SamplingParams, sample, target_probs, verify
+
+
+class ContextLengthError(QfdError):
+    """The prompt plus the requested tokens do not fit the engine's context."""
+
+
+class Cancelled(Exception):
+    """Raise from an on_tokens callback (or set `cancel`) to stop a generation early."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    stop: Sequence[str] = ()  # stop strings: the text ends before the first one
+    eos_ids: Sequence[int] | None = None  # None: the engine's (tokenizer / generation_config)
+    seed: int | None = None
+    ignore_eos: bool = False  # exact output lengths (latency protocol)
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop", tuple(s for s in (self.stop or ()) if s))
+        if self.eos_ids is not None:
+            object.__setattr__(self, "eos_ids", tuple(int(i) for i in self.eos_ids))
+        if self.max_new_tokens < 1:
+            raise QfdError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if self.temperature < 0:
+            raise QfdError(f"temperature must be >= 0 (got {self.temperature}); 0 means greedy")
+        if not 0 < self.top_p <= 1:
+            raise QfdError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise QfdError(f"top_k must be >= 0 (got {self.top_k}); 0 disables it")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k)
+
+
+@dataclass
+class GenerationStats:
+    """Per request. tau: committed tokens per verify step, bonus included (1 without a drafter);
+    accept_per_position[k]: fraction of steps whose draft token k+1 was accepted."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # verify steps after the prefill
+    tau: float = float("nan")
+    accept_per_position: list[float] = field(default_factory=list)
+    ttft_s: float = 0.0  # prefill + first token
+    total_s: float = 0.0
+    tokens_per_s: float = 0.0  # new tokens / total time
+    decode_tokens_per_s: float = float("nan")  # after the first token
+    block_size: int = 1
+    finish_reason: str = "length"  # stop | length | cancelled
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids (a final EOS included; cut after the stop string)
+    text: str | None  # detokenized, stop string removed (None without a tokenizer)
+    stats: GenerationStats
+    prompt_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+
+class Detokenizer:
+    """Incremental decoding (vLLM-style prefix/read offsets): decodes a short window of recent
+    tokens per chunk and holds back text ending in an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(new_ids)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset])
+        full = decode(self.ids[self.prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix) :]
+        return ""
+
+
+def held_back(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of `text` that could start a stop string (not yet safe to emit)."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if text.endswith(stop[:n]):
+                hold = n
+                break
+    return hold
+
+
+def default_eos_ids(tokenizer) -> tuple[int, ...]:
+    """EOS ids of the tokenizer plus generation_config.json beside it (Qwen: two ids)."""
+    ids: list[int] = []
+
+    def add(value):
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, int) and item not in ids:
+                ids.append(item)
+
+    if tokenizer is None:
+        return ()
+    path = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "generation_config.json"
+    if path.is_file():
+        try:
+            add(json.loads(path.read_text()).get("eos_token_id"))
+        except (OSError, json.JSONDecodeError):
+            pass
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(ids)
+
+
+class Engine:
+    """One target (+ optional DFlash drafter) with preallocated caches; `generate` serves one
+    request at a time (a lock serialises callers)."""
+
+    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False):
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.max_len = int(max_len or target.config.max_position_embeddings)
+        self.block_size = drafter.block_size if drafter is not None else 1
+        self.tap_layers = tuple(drafter.cfg.target_layer_ids) if drafter is not None else ()
+        self.device = target.model.embed_tokens.weight.device
+        self.eos_ids = tuple(eos_ids) if eos_ids is not None else default_eos_ids(tokenizer)
+        # + block_size: the last verify of a budget may run past max_len (its tail is discarded)
+        self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.block_size), static=static_cache)
+        self.draft_cache = drafter.new_cache(self.max_len + self.block_size) if drafter is not None else None
+        self._lock = threading.Lock()
+        self.on_step: Callable[[dict], None] | None = None  # test hook: called after every rollback
+
+    # --- convenience for the harness / server -------------------------------------------------
+    def encode(self, prompt: str | Sequence[dict], chat: bool | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a raw prompt (str) or of chat messages (list of {role, content}) through
+        the tokenizer's chat template with the assistant header appended."""
+        if self.tokenizer is None:
+            raise QfdError("this engine has no tokenizer; pass token ids to generate()")
+        if isinstance(prompt, str) and not chat:
+            return list(self.tokenizer(prompt)["input_ids"])
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise QfdError("chat messages need a tokenizer with a chat template; this model has none")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {}))
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def generate_text(self, prompt: str | Sequence[dict], config: GenerationConfig | None = None, chat: bool | None = None, **kwargs) -> GenerationResult:
+        """generate() over a raw prompt or chat messages (see `encode`)."""
+        return self.generate(self.encode(prompt, chat), config or GenerationConfig(), **kwargs)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len < 1:
+            raise ContextLengthError("the prompt is empty; give at least one token")
+        if prompt_len + max_new_tokens > self.max_len:
+            raise ContextLengthError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens} exceeds the context of {self.max_len} tokens")
+
+    # --- the loop -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None, on_tokens: Callable[[list[int], str], None] | None = None, cancel: Callable[[], bool] | None = None) -> GenerationResult:
+        """Generate from `prompt_ids`. `on_tokens(ids, text)` gets every committed chunk and the
+        text that became final with it ("" while held back by a possible stop string or a split
+        character); raise `Cancelled` from it, or make `cancel()` true, to stop early."""
+        config = config or GenerationConfig()
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.check_fits(len(prompt_ids), config.max_new_tokens)
+        if config.stop and self.tokenizer is None:
+            raise QfdError("stop strings need a tokenizer; this engine has none")
+        with self._lock:
+            return _Run(self, prompt_ids, config, on_tokens, cancel).run()
+
+
+class _Run:
+    """State of one generate() call."""
+
+    def __init__(self, engine: Engine, prompt_ids: list[int], config: GenerationConfig, on_tokens, cancel):
+        self.e, self.prompt, self.cfg, self.on_tokens, self.cancel = engine, prompt_ids, config, on_tokens, cancel
+        self.params = config.sampling
+        self.eos = set() if config.ignore_eos else set(config.eos_ids if config.eos_ids is not None else engine.eos_ids)
+        self.tokens: list[int] = []
+        self.detok = Detokenizer(engine.tokenizer) if engine.tokenizer is not None else None
+        self.text = ""  # decoded so far (stop string cut away once found)
+        self.emitted = 0  # characters of self.text already given to on_tokens
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=engine.block_size)
+        self.accepted_counts = [0] * (engine.block_size - 1)
+        self.generator = torch.Generator(device=engine.device)
+        if config.seed is not None:
+            self.generator.manual_seed(config.seed)
+        else:
+            self.generator.seed()
+
+    def run(self) -> GenerationResult:
+        e = self.e
+        sync = torch.cuda.synchronize if e.device.type == "cuda" else (lambda: None)
+        start = time.perf_counter()
+        e.cache.reset()
+        if e.draft_cache is not None:
+            e.draft_cache.rollback(0)
+        ids = torch.tensor([self.prompt], device=e.device)
+        out = e.target(ids, e.cache, tap_layers=e.tap_layers, last_only=True)
+        first = int(sample(target_probs(out.logits[0, -1], self.params), self.generator)) if not self.params.greedy else int(out.logits[0, -1].argmax())
+        if e.drafter is not None:
+            e.drafter.append_context(e.draft_cache, out.taps, 0)
+        sync()
+        self.stats.ttft_s = time.perf_counter() - start
+        finish = self.commit([first])
+        taus = []
+        while finish is None:
+            if self.cancel is not None and self.cancel():
+                finish = "cancelled"
+                break
+            accepted, chunk = self.step()
+            taus.append(accepted + 1)
+            finish = self.commit(chunk)
+        sync()
+        self.stats.total_s = time.perf_counter() - start
+        return self.finish(finish, taus)
+
+    def step(self) -> tuple[int, list[int]]:
+        """One draft + verify step; returns (accepted drafts, committed tokens)."""
+        e = self.e
+        L, last = e.cache.length, self.tokens[-1]
+        block = torch.tensor([[last]], device=e.device)
+        drafts = block[0, 1:]
+        if e.drafter is not None:
+            drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.target.head)[0]
+            block = torch.cat([block, drafts.view(1, -1).to(block.dtype)], dim=1)
+        out = e.target(block, e.cache, tap_layers=e.tap_layers)
+        verdict = verify(drafts, out.logits[0], self.params, None, self.generator)
+        n = verdict.accepted
+        e.cache.rollback(L + n + 1)
+        if e.drafter is not None:
+            e.drafter.append_context(e.draft_cache, out.taps[:, : n + 1], L)
+        self.stats.steps += 1
+        for k in range(n):
+            self.accepted_counts[k] += 1
+        if e.on_step is not None:
+            e.on_step({"committed": self.prompt + self.tokens + verdict.tokens[:-1], "cache": e.cache, "draft_cache": e.draft_cache, "accepted": n})
+        return n, verdict.tokens
+
+    def commit(self, chunk: list[int]) -> str | None:
+        """Apply budget, EOS and stop strings to a committed chunk; stream it; the finish reason
+        when the generation ends here."""
+        finish = None
+        room = self.cfg.max_new_tokens - len(self.tokens)
+        if len(chunk) >= room:
+            chunk, finish = chunk[:room], "length"
+        for i, token in enumerate(chunk):
+            if token in self.eos:
+                chunk, finish = chunk[: i + 1], "stop"
+                break
+        before = len(self.tokens)
+        self.tokens.extend(chunk)
+        if self.detok is not None:
+            self.text += self.detok.add(chunk)
+            cut = self.find_stop()
+            if cut is not None:
+                self.text = self.text[:cut]
+                self.tokens = self.tokens[: self.tokens_covering(before)]
+                chunk, finish = self.tokens[before:], "stop"
+        if self.on_tokens is not None:
+            safe = len(self.text) if finish is not None else len(self.text) - held_back(self.text, self.cfg.stop)
+            delta = self.text[self.emitted : max(safe, self.emitted)]
+            self.emitted = max(safe, self.emitted)
+            try:
+                self.on_tokens(list(chunk), delta)
+            except Cancelled:
+                return "cancelled"
+        return finish
+
+    def find_stop(self) -> int | None:
+        """Index in self.text where the first stop string starts, or None."""
+        if not self.cfg.stop:
+            return None
+        window = max(len(s) for s in self.cfg.stop)
+        lo = max(0, self.emitted - window)  # emitted text never contained a stop
+        hits = [i for s in self.cfg.stop if (i := self.text.find(s, lo)) >= 0]
+        return min(hits) if hits else None
+
+    def tokens_covering(self, before: int) -> int:
+        """Fewest tokens (more than `before`) whose text contains a stop string: the tokens
+        after the stop are dropped. (Earlier chunks held no stop: each chunk is checked.)"""
+        for n in range(before + 1, len(self.tokens) + 1):
+            text = self.e.tokenizer.decode(self.tokens[:n], skip_special_tokens=True)
+            if any(stop in text for stop in self.cfg.stop):
+                return n
+        return len(self.tokens)
+
+    def finish(self, reason: str, taus: list[int]) -> GenerationResult:
+        s = self.stats
+        s.finish_reason = reason
+        s.new_tokens = len(self.tokens)
+        s.tau = sum(taus) / len(taus) if taus else float("nan")
+        s.accept_per_position = [c / s.steps for c in self.accepted_counts] if s.steps else [0.0] * len(self.accepted_counts)
+        s.tokens_per_s = s.new_tokens / s.total_s if s.total_s > 0 else float("nan")
+        rest = s.total_s - s.ttft_s
+        s.decode_tokens_per_s = (s.new_tokens - 1) / rest if s.new_tokens > 1 and rest > 0 else float("nan")
+        text = self.text if self.detok is not None else None
+        return GenerationResult(tokens=self.tokens, text=text, stats=s, prompt_ids=self.prompt)

@@ -1,0 +1,127 @@
+"""The runtime target's cache: a static KV cache for attention layers and the Gated DeltaNet
+conv + recurrent state for linear-attention layers, with exact rollback.
+
+Static shapes (gpt-fast style): every K/V buffer is preallocated as [B, kv_heads, max_len,
+head_dim] and written in place at the token positions, so a decode or verify step has the same
+shapes every time and CUDA graphs / torch.compile can capture it.
+
+Rollback (speculative decoding keeps only the accepted prefix of a verified block):
+- attention layers: free, the cache only sets `length` (stale K/V beyond it are masked, then
+  overwritten by the next forward);
+- Gated DeltaNet layers absorbed the rejected tokens into their state, so each multi-token
+  forward records what restoring needs (method.md section 4): the conv window of the forward
+  (the state after position j is a slice of it, no copy) and, for forwards of at most
+  `max_verify` tokens (decode, verify), the recurrent state after EVERY position, written into
+  a preallocated history buffer. Longer forwards (prefill) use the chunked kernel and keep the
+  state at their start plus their prepared q/k/v/g/beta; rolling back into one recomputes the
+  accepted part with the recurrent kernel.
+  Memory: history = B * max_verify * num_v_heads * dk * dv * 4 bytes per GDN layer; for
+  Qwen3.5-4B (24 GDN layers, 32 heads of 128x128) and max_verify 16 that is 768 MiB, on top of
+  the 48 MiB of live recurrent state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from qfd.models.gdn import chunked_gated_delta, recurrent_gated_delta
+
+
+class GDNState:
+    """Conv state [B, conv_dim, K-1] (model dtype) and recurrent state [B, H, dk, dv] (float32)
+    of one Gated DeltaNet layer, plus the record of its last forward for rollback."""
+
+    def __init__(self, batch: int, conv_dim: int, kernel: int, heads: int, dk: int, dv: int, max_verify: int, dtype, device):
+        self.conv = torch.zeros(batch, conv_dim, kernel - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=device)
+        self.start = torch.zeros_like(self.recurrent)  # state before the last forward
+        self.history = torch.zeros(batch, max_verify, heads, dk, dv, dtype=torch.float32, device=device)
+        self.max_verify = max_verify
+        self.window: torch.Tensor | None = None  # [B, C, K-1+T] of the last forward
+        self.inputs: tuple[torch.Tensor, ...] | None = None  # (q, k, v, g, beta) of a long last forward
+        self.steps = 0  # T of the last forward
+
+    def advance(self, window, q, k, v, g, beta) -> torch.Tensor:
+        """Run the gated delta rule over T new tokens from the current state, update the state
+        in place and record what rollback needs. Returns the core output [B, T, H, dv] float32."""
+        T = q.shape[1]
+        kernel_minus_1 = self.conv.shape[-1]
+        self.start.copy_(self.recurrent)
+        self.window, self.steps = window, T
+        if T <= self.max_verify:
+            out, final = recurrent_gated_delta(q, k, v, g, beta, self.recurrent, history=self.history)
+            self.inputs = None
+        else:
+            out, final = chunked_gated_delta(q, k, v, g, beta, self.recurrent)
+            self.inputs = (q, k, v, g, beta)
+        self.recurrent.copy_(final)
+        self.conv.copy_(window[..., window.shape[-1] - kernel_minus_1 :])
+        return out
+
+    def rollback(self, keep: int) -> None:
+        """Restore the state after the first `keep` tokens of the last forward (0 <= keep <= T)."""
+        if keep == self.steps or self.window is None:
+            return
+        kernel_minus_1 = self.conv.shape[-1]
+        self.conv.copy_(self.window[..., keep : keep + kernel_minus_1])
+        if keep == 0:
+            self.recurrent.copy_(self.start)
+        elif self.inputs is None:
+            self.recurrent.copy_(self.history[:, keep - 1])
+        else:
+            q, k, v, g, beta = (x[:, :keep] for x in self.inputs)
+            _, state = recurrent_gated_delta(q, k, v, g, beta, self.start)
+            self.recurrent.copy_(state)
+
+
+class TargetCache:
+    """Per-layer caches of a TargetModel. `k[i]`, `v[i]`: [B, kv_heads, max_len, head_dim] for
+    attention layers; `gdn[i]`: GDNState for linear-attention layers. `length`: tokens held."""
+
+    def __init__(self, k: dict[int, torch.Tensor], v: dict[int, torch.Tensor], gdn: dict[int, GDNState], max_len: int, static: bool = False):
+        self.k, self.v, self.gdn = k, v, gdn
+        self.max_len = max_len
+        # static: attention always spans the whole buffer under a position mask (fixed shapes
+        # for CUDA graphs); otherwise it spans only the filled prefix (faster in eager mode).
+        self.static = static
+        self.length = 0
+        self._last_start = 0  # length before the last forward
+
+    def begin(self, steps: int) -> int:
+        """Reserve `steps` positions for a forward; returns its first position."""
+        if self.length + steps > self.max_len:
+            raise ValueError(f"cache full: {self.length} + {steps} tokens > max_len {self.max_len}")
+        self._last_start = self.length
+        return self.length
+
+    def end(self, steps: int) -> None:
+        self.length += steps
+
+    def write_kv(self, layer: int, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write key/value [B, kv_heads, T, hd] at `positions` [T]; returns the buffers
+        to attend over: the whole buffer (static) or the filled prefix including these tokens."""
+        k_buf, v_buf = self.k[layer], self.v[layer]
+        k_buf.index_copy_(2, positions, key.to(k_buf.dtype))
+        v_buf.index_copy_(2, positions, value.to(v_buf.dtype))
+        if self.static:
+            return k_buf, v_buf
+        end = self._last_start + key.shape[2]
+        return k_buf[:, :, :end], v_buf[:, :, :end]
+
+    def rollback(self, n: int) -> None:
+        """Keep the first n tokens. n must lie within the last forward: length before it <= n <= length."""
+        if not self._last_start <= n <= self.length:
+            raise ValueError(f"rollback({n}) outside the last forward (positions {self._last_start}..{self.length})")
+        keep = n - self._last_start
+        for state in self.gdn.values():
+            state.rollback(keep)
+        self.length = n
+
+    def reset(self) -> None:
+        """Empty the cache for a new sequence (buffers are reused; GDN states zeroed)."""
+        self.length = self._last_start = 0
+        for state in self.gdn.values():
+            state.conv.zero_()
+            state.recurrent.zero_()
+            state.window = state.inputs = None
+            state.steps = 0

@@ -1,0 +1,367 @@
+"""The DFlash block-diffusion drafter (method.md section 2; DFlash, arXiv 2602.06036).
+
+A few Qwen3-style decoder layers with no embedding or LM head of their own: the target's
+frozen embedding and head are passed in as callables. Tapped target hidden states (k layers,
+concatenated, k*H) are fused by `fc` (k*H -> H) + `hidden_norm` into one context feature per
+context token; every layer projects that feature with its OWN k/v projections (k-norm, RoPE at
+the context token's true position) and prepends it to the block's keys/values. Queries come
+only from the block [last committed token, MASK x (B-1)], which is non-causal: one forward
+gives B-1 draft tokens.
+
+Parameter names follow vLLM's DFlash loader (vllm/model_executor/models/qwen3_dflash.py) and
+z-lab's reference model: `layers.{i}.self_attn.{q,k,v,o}_proj`, `...q_norm`, `...k_norm`,
+`layers.{i}.mlp.{gate,up,down}_proj`, `layers.{i}.{input,post_attention}_layernorm`, `fc`,
+`hidden_norm`, `norm`. Saving/loading and the target check live in `qfd.models.drafter_io`
+(re-exported here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qfd.drafter_losses import block_attention_mask, context_window_start
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    num_target_layers: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 32768
+    target_hidden_size: int | None = None  # defaults to hidden_size
+    sliding_window: int | None = None  # attend to only the last W context tokens (None: all)
+    extra: dict = field(default_factory=dict, compare=False)  # carried-through HF fields (bos/eos ids)
+
+    def __post_init__(self):
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if self.target_hidden_size is None:
+            object.__setattr__(self, "target_hidden_size", self.hidden_size)
+        if self.block_size < 2:
+            raise ValueError("block_size must be >= 2 (slot 0 is the committed token)")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError("sliding_window must be >= 1 or None")
+
+    def with_(self, **changes) -> "DFlashConfig":
+        return replace(self, **changes)
+
+
+def default_tap_layers(num_target_layers: int, count: int = 5) -> tuple[int, ...]:
+    """`count` target layers spread evenly from layer 1 to n-3 (paper: [1, 8, 15, 22, 29] for 32
+    layers); fewer for small targets (n-3 < count), at least one."""
+    last = max(1, num_target_layers - 3)
+    first = min(1, num_target_layers - 1)
+    count = max(1, min(count, last - first + 1))
+    if count == 1:
+        return (first,)
+    step = (last - first) / (count - 1)
+    return tuple(sorted({int(first + i * step + 0.5) for i in range(count)}))
+
+
+def pick_mask_token_id(vocab_size: int, tokenizer=None) -> int:
+    """An id of the target's vocabulary that real text never uses, for the MASK slots.
+
+    In order: (1) the first embedding row beyond the tokenizer's vocabulary (padding rows, e.g.
+    Qwen3: 151669, Qwen3.5: 248077 - the ids z-lab's drafters use); (2) the highest-id added
+    special token that is not bos/eos/pad/unk and does not occur in the chat template (e.g.
+    SmolLM2: 16 `<empty_output>`); (3) the last id of the vocabulary."""
+    if tokenizer is None:
+        return vocab_size - 1
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer)
+    reserved = {getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "pad", "unk")}
+    template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else ""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    candidates = [
+        token_id
+        for token_id, token in decoder.items()
+        if getattr(token, "special", False) and token_id not in reserved and token_id < vocab_size and str(token) not in template
+    ]
+    return max(candidates) if candidates else vocab_size - 1
+
+
+def config_for_target(target_config: dict, tokenizer=None, *, num_layers: int = 5, block_size: int = 16, taps: tuple[int, ...] | None = None, num_taps: int = 5, sliding_window: int | None = None, intermediate_size: int | None = None, mask_token_id: int | None = None) -> DFlashConfig:
+    """A drafter config whose sizes follow the target (paper: hidden = target hidden, heads as
+    the target, 5 layers). `target_config`: the target's config.json (Qwen3.5 nests text_config)."""
+    text = target_config.get("text_config", target_config)
+    hidden = text["hidden_size"]
+    heads = text["num_attention_heads"]
+    layers = text["num_hidden_layers"]
+    rope = text.get("rope_parameters") or {}
+    taps = tuple(taps) if taps else default_tap_layers(layers, num_taps)
+    if max(taps) >= layers or min(taps) < 0:
+        raise ValueError(f"tap layers {taps} out of range for a {layers}-layer target")
+    return DFlashConfig(
+        hidden_size=hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=text.get("num_key_value_heads", heads),
+        head_dim=text.get("head_dim") or hidden // heads,
+        intermediate_size=intermediate_size or text["intermediate_size"],
+        vocab_size=text["vocab_size"],
+        target_layer_ids=taps,
+        mask_token_id=mask_token_id if mask_token_id is not None else pick_mask_token_id(text["vocab_size"], tokenizer),
+        num_target_layers=layers,
+        block_size=block_size,
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 1_000_000.0))),
+        max_position_embeddings=text.get("max_position_embeddings", 32768),
+        sliding_window=sliding_window,
+        extra={k: text[k] for k in ("bos_token_id", "eos_token_id") if k in text},
+    )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [..., T] long -> cos, sin [..., T, head_dim] (HF/neox half-rotation layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float().unsqueeze(-1) * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [b, heads, T, d]; cos/sin: [b or 1, T, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [b, T, H] (context features or normed block states), positions [b or 1, T].
+        Returns k, v: [b, kv_heads, T, d] (k normed and rotated)."""
+        b, t, _ = x.shape
+        d = self.cfg.head_dim
+        k = self.k_norm(self.k_proj(x).view(b, t, -1, d)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, d, self.cfg.rope_theta, k.dtype)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x: [b, Q, H] normed block states at `positions` [b or 1, Q]; k_ctx/v_ctx: [b, kv, C, d]
+        context keys/values already projected; mask: bool [Q, C + Q] or None (all visible)."""
+        b, q_len, _ = x.shape
+        d = self.cfg.head_dim
+        q = self.q_norm(self.q_proj(x).view(b, q_len, -1, d)).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, d, self.cfg.rope_theta, q.dtype)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self.project_kv(x, positions)
+        k = torch.cat([k_ctx.to(k_blk.dtype), k_blk], dim=2)
+        v = torch.cat([v_ctx.to(v_blk.dtype), v_blk], dim=2)
+        groups = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg)
+        self.mlp = DrafterMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, positions, k_ctx, v_ctx, mask):
+        h = h + self.self_attn(self.input_layernorm(h), positions, k_ctx, v_ctx, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DrafterCache:
+    """Per-layer context K/V of the committed tokens, preallocated to `max_len` positions.
+
+    k, v: [layers, batch, kv_heads, max_len, head_dim]; positions < `length` are valid."""
+
+    def __init__(self, cfg: DFlashConfig, max_len: int, batch: int = 1, device=None, dtype=torch.float32):
+        shape = (cfg.num_hidden_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_len = max_len
+        self.length = 0
+
+    def rollback(self, n: int) -> None:
+        """Keep the first n context positions."""
+        self.length = max(0, min(self.length, n))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.cfg.mask_token_id
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [b, T, k*H] (target hidden_states[i+1] of the tap layers, concatenated) ->
+        context features [b, T, H]."""
+        return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
+
+    def _block_inputs(self, first_tokens: torch.Tensor, embed: Callable) -> torch.Tensor:
+        """first_tokens [..., 1] -> embeddings of [token, MASK x (B-1)]: [..., B, H]."""
+        masks = torch.full((*first_tokens.shape[:-1], self.block_size - 1), self.mask_token_id, dtype=first_tokens.dtype, device=first_tokens.device)
+        return embed(torch.cat([first_tokens, masks], dim=-1)).to(self.fc.weight.dtype)
+
+    # -- training path: all blocks of one sequence in one forward ------------------------------
+    def forward_train(self, taps: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor, embed: Callable) -> torch.Tensor:
+        """Teacher-forced blocks at `anchors` of one sequence.
+
+        taps: [1, T, k*H] target taps of the whole sequence; input_ids: [T]; anchors: [N] (each
+        block sees context strictly before its anchor, see block_attention_mask).
+        Returns final-normed hidden states of the predicted slots: [N, B-1, H]."""
+        bsz = self.block_size
+        t = input_ids.numel()
+        ctx = self.fuse(taps)
+        ctx_pos = torch.arange(t, device=input_ids.device).view(1, -1)
+        h = self._block_inputs(input_ids[anchors].view(-1, 1), embed).reshape(1, -1, self.cfg.hidden_size)
+        positions = (anchors.view(-1, 1) + torch.arange(bsz, device=anchors.device)).view(1, -1)
+        mask = block_attention_mask(anchors, t, bsz, self.cfg.sliding_window)
+        for layer in self.layers:
+            k_ctx, v_ctx = layer.self_attn.project_kv(ctx, ctx_pos)
+            h = layer(h, positions, k_ctx, v_ctx, mask)
+        return self.norm(h).view(-1, bsz, self.cfg.hidden_size)[:, 1:]
+
+    # -- inference path ----------------------------------------------------------------------
+    def new_cache(self, max_len: int, batch: int = 1, device=None, dtype=None) -> DrafterCache:
+        weight = self.fc.weight
+        return DrafterCache(self.cfg, max_len, batch, device=device or weight.device, dtype=dtype or weight.dtype)
+
+    @torch.no_grad()
+    def append_context(self, cache: DrafterCache, taps: torch.Tensor, start_pos: int) -> None:
+        """Add the context K/V of newly committed tokens at positions start_pos .. start_pos+n-1.
+
+        taps: [batch, n, k*H]. start_pos <= cache.length (anything beyond start_pos is
+        overwritten); afterwards cache.length == start_pos + n."""
+        n = taps.shape[1]
+        if start_pos > cache.length:
+            raise ValueError(f"append_context at {start_pos} leaves a gap: the cache holds {cache.length} positions")
+        if start_pos + n > cache.max_len:
+            raise ValueError(f"drafter cache overflow: {start_pos + n} > max_len {cache.max_len}")
+        ctx = self.fuse(taps)
+        positions = torch.arange(start_pos, start_pos + n, device=taps.device).view(1, -1)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, positions)
+            cache.k[i, :, :, start_pos : start_pos + n] = k.to(cache.k.dtype)
+            cache.v[i, :, :, start_pos : start_pos + n] = v.to(cache.v.dtype)
+        cache.length = start_pos + n
+
+    @torch.no_grad()
+    def draft(self, cache: DrafterCache, first_token, start_pos: int, embed: Callable, head: Callable, return_logits: bool = False):
+        """Denoise the block [first_token, MASK x (B-1)] at positions start_pos..start_pos+B-1
+        against the cached context (positions < start_pos; the last W with a sliding window).
+
+        first_token: int, [batch] or [batch, 1] long. Returns tokens [batch, B-1] (argmax), and
+        logits [batch, B-1, V] too with return_logits."""
+        if cache.length < start_pos:
+            raise ValueError(f"draft at {start_pos}: the cache holds only {cache.length} context positions")
+        device = cache.k.device
+        first = torch.as_tensor(first_token, device=device, dtype=torch.long).reshape(-1, 1)
+        if first.shape[0] == 1 and cache.k.shape[1] > 1:
+            first = first.expand(cache.k.shape[1], 1)
+        h = self._block_inputs(first, embed)
+        positions = torch.arange(start_pos, start_pos + self.block_size, device=device).view(1, -1)
+        lo = context_window_start(start_pos, self.cfg.sliding_window)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, cache.k[i, :, :, lo:start_pos], cache.v[i, :, :, lo:start_pos], None)
+        hidden = self.norm(h[:, 1:])
+        weight = getattr(head, "weight", None)
+        logits = head(hidden.to(weight.dtype) if weight is not None else hidden)
+        tokens = logits.argmax(-1)
+        return (tokens, logits) if return_logits else tokens
+
+
+def num_parameters(drafter: DFlashDrafter) -> int:
+    return sum(p.numel() for p in drafter.parameters())
+
+
+from qfd.models.drafter_io import (  # noqa: E402  (re-exported: one import site for callers)
+    hf_config_dict,
+    load_drafter,
+    read_drafter_config,
+    save_drafter,
+    verify_drafter_target,
+)
+
+__all__ = [
+    "DFlashConfig",
+    "DFlashDrafter",
+    "DrafterCache",
+    "config_for_target",
+    "default_tap_layers",
+    "pick_mask_token_id",
+    "hf_config_dict",
+    "load_drafter",
+    "read_drafter_config",
+    "save_drafter",
+    "verify_drafter_target",
+]

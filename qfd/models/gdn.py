@@ -1,0 +1,159 @@
+"""Gated DeltaNet (Yang, Kautz, Hatamizadeh, arXiv 2412.06464), the linear-attention token mixer
+of Qwen3.5, as transformers' `Qwen3_5GatedDeltaNet` computes it.
+
+Per value head, with an L2-normalised key k_t and query q_t (scaled by 1/sqrt(d_k)), a decay
+g_t <= 0 (log space) and a write strength beta_t in (0, 1), the recurrent state
+S_t in R^{d_k x d_v} evolves by the gated delta rule (paper eq. 10):
+
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - k_t^T exp(g_t) S_{t-1}))^T,   o_t = S_t^T q_t.
+
+Before it, a depthwise causal conv1d (kernel K, SiLU) mixes the q/k/v channels over the last
+K tokens; its state is the last K-1 pre-conv inputs. After it, a gated RMSNorm (weight w, not
+1 + w) and SiLU(z) gate, then out_proj.
+
+Two exact forms: `recurrent_gated_delta` steps token by token and can return the state after
+every position (decode, 16-token verify: what rollback needs); `chunked_gated_delta` is the
+chunkwise-parallel WY form of the paper's section 3 for long prefills (final state only).
+Both work in float32, as transformers' reference kernels do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / ||x|| over the last dim, with flash-linear-attention's epsilon placement."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32, L2-normalised q (then scaled by d_k^-1/2) and k; any [..., d_k] layout."""
+    q, k = l2norm(q.float()), l2norm(k.float())
+    return q * q.shape[-1] ** -0.5, k
+
+
+def recurrent_gated_delta(q, k, v, g, beta, state, history: torch.Tensor | None = None):
+    """Token-by-token gated delta rule.
+
+    q, k: [B, T, H, dk] already prepared (`prepare_qk`); v: [B, T, H, dv]; g, beta: [B, T, H];
+    state: [B, H, dk, dv] float32 (not modified). `history`, if given ([B, >=T, H, dk, dv]),
+    receives the state after every position, in place.
+    Returns (out [B, T, H, dv] float32, final state [B, H, dk, dv])."""
+    v, g, beta = v.float(), g.float(), beta.float()
+    outs = []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        k_t = k[:, t]
+        predicted = torch.einsum("bhk,bhkv->bhv", k_t, state)
+        delta = (v[:, t] - predicted) * beta[:, t, :, None]
+        state = state + k_t[..., :, None] * delta[..., None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+        if history is not None:
+            history[:, t].copy_(state)
+    return torch.stack(outs, dim=1), state
+
+
+def chunked_gated_delta(q, k, v, g, beta, state, chunk_size: int = 64):
+    """Chunkwise gated delta rule (same arguments and results as `recurrent_gated_delta`,
+    no history): inside a chunk the delta-rule updates are folded into one triangular solve
+    (the WY / UT transform), across chunks the state is carried sequentially."""
+    B, T, H, dk = k.shape
+    dv = v.shape[-1]
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [B, H, T, d]
+    g, beta = g.transpose(1, 2).float(), beta.transpose(1, 2).float()  # [B, H, T]
+    pad = (chunk_size - T % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    n = (T + pad) // chunk_size
+    q, k, v = (x.reshape(B, H, n, chunk_size, -1) for x in (q, k, v))
+    g, beta = g.reshape(B, H, n, chunk_size), beta.reshape(B, H, n, chunk_size)
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    cum = g.cumsum(-1)  # log decay from the chunk start to each position
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower-triangular after the solve
+    intra = (q @ k.transpose(-1, -2)) * decay
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    state = state.float()
+    out = torch.empty_like(new_values)
+    for i in range(n):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(B, H, -1, dv)[:, :, :T].transpose(1, 2)
+    return out, state
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(x) * w * SiLU(z) over the value-head dim (transformers' Qwen3_5RMSNormGated)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight * h.to(dtype)
+        return (h * F.silu(gate.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer; parameter names mirror transformers'."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False, padding=self.kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
+
+    def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:
+        """x: [B, T, hidden] -> [B, T, hidden]. `state`: this layer's `GDNState` in the cache
+        (updated in place, with what rollback needs recorded), or None for a fresh sequence."""
+        B, T, _ = x.shape
+        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
+        if state is None:
+            window = F.pad(mixed, (self.kernel - 1, 0))
+        else:
+            window = torch.cat([state.conv.to(mixed.dtype), mixed], dim=-1)  # [B, C, K-1+T]
+        conv = F.silu(F.conv1d(window.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim))
+        conv = conv.to(x.dtype).transpose(1, 2)  # [B, T, C]
+        q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if self.num_v_heads > self.num_k_heads:
+            rep = self.num_v_heads // self.num_k_heads
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        q, k = prepare_qk(q, k)
+        if state is None:
+            zero = x.new_zeros(B, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
+            core, _ = chunked_gated_delta(q, k, v, g, beta, zero)
+        else:
+            core = state.advance(window, q, k, v, g, beta)
+        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
+        core = self.norm(core.to(x.dtype), z)
+        return self.out_proj(core.reshape(B, T, self.value_dim))

@@ -1,0 +1,329 @@
+"""qfd's runtime target model (gpt-fast style, plain PyTorch): Llama, Qwen3 and Qwen3.5 text.
+
+Module tree and parameter names mirror transformers' (`model.embed_tokens`,
+`model.layers.{i}.self_attn.{q,k,v,o}_proj`, `...mlp.{gate,up,down}_proj`, `...linear_attn.*`,
+`model.norm`, `lm_head`), so an HF state dict loads as-is and INT4 linears swap in by path.
+
+    model = TargetModel(TargetConfig.from_hf(config_json))
+    cache = model.new_cache(max_len)          # static buffers, see qfd.models.cache
+    out = model(ids, cache, tap_layers=(1, 8), last_only=False)   # out.logits, out.taps
+
+Family differences (all from transformers' modeling files):
+- llama: RMSNorm `w * norm(x)`, full RoPE, optional q/k/v/o and MLP biases.
+- qwen3: as llama plus per-head RMSNorm on q and k before RoPE.
+- qwen3_5: RMSNorms are zero-centred, `(1 + w) * norm(x)`; layers alternate Gated DeltaNet
+  (`linear_attention`) and gated attention (`full_attention`): q_proj emits [q | gate] per head,
+  output *= sigmoid(gate), RoPE on the first `partial_rotary_factor` of each head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qfd.errors import QfdError
+from qfd.models import rope as rope_math
+from qfd.models.cache import GDNState, TargetCache
+from qfd.models.gdn import GatedDeltaNet
+
+FAMILIES = ("llama", "qwen3", "qwen3_5")
+LAYER_TYPES = ("full_attention", "linear_attention")
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The architecture, read strictly from an HF config.json (text part)."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope: dict = field(default_factory=dict)
+    partial_rotary_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    max_position_embeddings: int = 4096
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any], family: str) -> "TargetConfig":
+        """From a config.json dict; the full Qwen3.5 checkpoint nests the text part in text_config.
+        Values qfd does not implement raise QfdError naming them."""
+        if family not in FAMILIES:
+            raise QfdError(f"family '{family}' has no runtime model; qfd runs {', '.join(FAMILIES)}")
+        text = dict(config.get("text_config") or config)
+        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        if text.get("hidden_act", "silu") != "silu":
+            raise QfdError(f"hidden_act '{text['hidden_act']}' is not supported by qfd's runtime model (only silu)")
+        if text.get("use_sliding_window"):
+            raise QfdError("sliding-window attention in the target is not supported by qfd's runtime model (use_sliding_window / sliding_window)")
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        rope_math.check_rope(rope)
+        theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+        partial = float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)))
+        heads = int(text["num_attention_heads"])
+        n_layers = int(text["num_hidden_layers"])
+        layer_types = tuple(text.get("layer_types") or ["full_attention"] * n_layers)
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES if family == "qwen3_5" else ("full_attention",)))
+        if unknown or len(layer_types) != n_layers:
+            raise QfdError(f"layer_types {unknown or layer_types} are not supported by qfd's runtime {family} model")
+        extra = {}
+        if family == "qwen3_5":
+            extra = {name: int(text[name]) for name in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")}
+        return cls(
+            family=family,
+            vocab_size=int(text["vocab_size"]),
+            hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(text["intermediate_size"]),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or text["hidden_size"] // heads),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope=rope,
+            partial_rotary_factor=partial,
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            attention_bias=bool(text.get("attention_bias", False)),
+            mlp_bias=bool(text.get("mlp_bias", False)),
+            layer_types=layer_types,
+            max_position_embeddings=int(text.get("max_position_embeddings", 4096)),
+            **extra,
+        )
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [B, T, V] (last_only: [B, 1, V])
+    taps: torch.Tensor | None  # [B, T, len(tap_layers) * hidden]
+
+
+class RMSNorm(nn.Module):
+    """Llama/Qwen3: w * norm(x) (cast before the weight); Qwen3.5 (`zero_centered`):
+    (1 + w) * norm(x) in float32, then cast."""
+
+    def __init__(self, dim: int, eps: float, zero_centered: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
+        self.eps, self.zero_centered = eps, zero_centered
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centered:
+            return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.gated = cfg.family == "qwen3_5"  # q_proj emits [query | output gate] per head
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim * (2 if self.gated else 1), bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        if cfg.family in ("qwen3", "qwen3_5"):
+            zero_centered = cfg.family == "qwen3_5"
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, cache: TargetCache | None, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, hidden]; cos/sin: [T, rotary_dim]; positions: [T] absolute positions."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, -1)
+        gate = None
+        if self.gated:
+            q, gate = q.chunk(2, dim=-1)
+            gate = gate.reshape(B, T, -1)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope_math.apply_rope(q.transpose(1, 2), cos, sin)  # [B, heads, T, hd]
+        k = rope_math.apply_rope(k.transpose(1, 2), cos, sin)
+        gqa = self.heads != self.kv_heads
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            keys, values = cache.write_kv(layer, k, v, positions)
+            # a key is visible to a query when its position is not after the query's
+            mask = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
+            out = grouped_attention(q, keys, values, mask)
+        out = out.transpose(1, 2).reshape(B, T, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention for few queries over a cache, grouped-query without copying K/V.
+
+    q: [B, heads, T, hd]; k, v: [B, kv_heads, S, hd]; mask: [T, S] bool (True = visible).
+    Query head h reads kv head h // (heads / kv_heads), as transformers' repeat_kv does.
+    (torch's CPU SDPA with a mask and GQA is ~10x slower than this at decode shapes.)"""
+    B, H, T, hd = q.shape
+    kv_heads, group = k.shape[1], H // k.shape[1]
+    q = q.reshape(B, kv_heads, group * T, hd)
+    scores = (q @ k.transpose(-1, -2)) * hd**-0.5  # [B, kv_heads, group*T, S]
+    scores = scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
+    probs = scores.float().softmax(-1).to(q.dtype)
+    return (probs @ v).reshape(B, H, T, hd)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, index: int):
+        super().__init__()
+        self.index = index
+        self.kind = cfg.layer_types[index]
+        zero_centered = cfg.family == "qwen3_5"
+        if self.kind == "linear_attention":
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
+
+    def forward(self, h, cos, sin, cache: TargetCache | None, positions: torch.Tensor) -> torch.Tensor:
+        x = self.input_layernorm(h)
+        if self.kind == "linear_attention":
+            x = self.linear_attn(x, None if cache is None else cache.gdn[self.index])
+        else:
+            x = self.self_attn(x, cos, sin, cache, self.index, positions)
+        h = h + x
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Body(nn.Module):
+    """transformers' `model.*`: embeddings, decoder layers, final norm, RoPE frequencies."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered=cfg.family == "qwen3_5")
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, config: TargetConfig):
+        super().__init__()
+        self.config = config
+        self.model = Body(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_rope()
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.config.head_dim * self.config.partial_rotary_factor)
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the RoPE inverse frequencies (non-persistent; needed after meta init)."""
+        if device is None:
+            device = self.model.embed_tokens.weight.device
+            device = "cpu" if device.type == "meta" else device
+        inv = rope_math.inv_frequencies(self.rotary_dim, self.config.rope_theta, self.config.rope)
+        self.model.inv_freq = inv.to(device)
+
+    @property
+    def norm(self) -> nn.Module:
+        """The final RMSNorm (apply before `head` to get logits)."""
+        return self.model.norm
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] token ids -> [B, T, hidden] embeddings."""
+        return self.model.embed_tokens(ids)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, T, hidden] -> [B, T, V] logits. The final norm is NOT applied here."""
+        return self.lm_head(hidden)
+
+    lm_head_fn = head
+
+    def new_cache(self, max_len: int, batch: int = 1, *, max_verify: int = 16, static: bool = False) -> TargetCache:
+        """Preallocated cache for up to `max_len` tokens. Forwards of at most `max_verify` tokens
+        record the GDN state after every position (O(1) rollback); see qfd.models.cache."""
+        cfg, weight = self.config, self.model.embed_tokens.weight
+        device, dtype = weight.device, weight.dtype
+        k, v, gdn = {}, {}, {}
+        for layer in self.model.layers:
+            if layer.kind == "full_attention":
+                shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+                k[layer.index] = torch.zeros(shape, dtype=dtype, device=device)
+                v[layer.index] = torch.zeros(shape, dtype=dtype, device=device)
+            else:
+                la = layer.linear_attn
+                gdn[layer.index] = GDNState(batch, la.conv_dim, la.kernel, la.num_v_heads, la.head_k_dim, la.head_v_dim, max_verify, dtype, device)
+        return TargetCache(k, v, gdn, max_len, static=static)
+
+    def forward(self, input_ids: torch.Tensor, cache: TargetCache | None = None, tap_layers: Sequence[int] = (), last_only: bool = False, positions: torch.Tensor | None = None) -> TargetOutput:
+        """input_ids [B, T]. With a cache: the tokens continue the cached sequence at position
+        cache.length (prefill, 1-token decode or a multi-token verify block) and the cache
+        advances by T. Without: a fresh causal forward over the whole sequence.
+        taps: outputs of decoder layers `tap_layers` (= HF hidden_states[i + 1]; for the last
+        layer that is after the final norm, as in transformers), concatenated in tap order."""
+        T = input_ids.shape[1]
+        start = 0 if cache is None else cache.begin(T)
+        if positions is None:
+            positions = torch.arange(start, start + T, device=input_ids.device)
+        out = self.forward_at(input_ids, cache, positions, tap_layers, last_only)
+        if cache is not None:
+            cache.end(T)
+        return out
+
+    def forward_at(self, input_ids: torch.Tensor, cache: TargetCache | None, positions: torch.Tensor, tap_layers: Sequence[int] = (), last_only: bool = False) -> TargetOutput:
+        """The forward at explicit `positions` [T], without the cache's length bookkeeping
+        (the caller does cache.begin/end): the piece to torch.compile / CUDA-graph with a
+        static cache, where no Python int may change between steps."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = rope_math.cos_sin(self.model.inv_freq, positions, h.dtype)
+        wanted = {int(layer): slot for slot, layer in enumerate(tap_layers)}
+        if len(wanted) != len(tap_layers) or not all(0 <= i < len(self.model.layers) for i in wanted):
+            raise ValueError(f"tap_layers {tuple(tap_layers)} must be distinct layer indices in [0, {len(self.model.layers)})")
+        taps: list[torch.Tensor | None] = [None] * len(wanted)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, cache, positions)
+            if layer.index in wanted:
+                taps[wanted[layer.index]] = h
+        last = len(self.model.layers) - 1
+        if last in wanted:
+            # transformers' hidden_states[-1] is the final-normed output, not the raw layer's
+            taps[wanted[last]] = self.model.norm(h)
+        if last_only:
+            h = h[:, -1:]
+        logits = self.lm_head(self.model.norm(h))
+        return TargetOutput(logits=logits, taps=torch.cat(taps, dim=-1) if taps else None)

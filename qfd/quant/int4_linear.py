@@ -1,0 +1,134 @@
+"""Int4Linear: a linear layer that executes an INT4 QuantizedWeight directly.
+
+Kernels (torch built-ins, tinygemm convention w = (u - 8) * scale + zero with u in 0..15 and
+a per-group FLOAT zero): on CPU `_weight_int4pack_mm_for_cpu`, on CUDA `_weight_int4pack_mm`
+(bf16 activations). Our grid w = (q - z) * s maps to it exactly in real arithmetic:
+u = q (zero-point codes) or q + 8 (symmetric), zero = (8 - z) * s; in floating point the
+result differs from the dequantized matmul only by rounding (fp32: ~1e-6 relative, see
+tests/test_quant_int4_linear.py). The kernels win for decode-sized inputs only (CPU, 1536x576:
+M=1 ~6x faster than fp32 dense, M=256 ~20x SLOWER), so inputs of more than KERNEL_MAX_ROWS rows
+dequantize the weight on the fly from the kept nibbles and run a dense matmul. Shapes or devices
+a kernel rejects use a stored dequantized weight (`mode == "dequant"`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qfd.quant.grid import dequantize
+from qfd.quant.types import QuantizedWeight
+
+KERNEL_MAX_ROWS = 8
+
+
+def tinygemm_operands(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u [out, in] int32 in 0..15, scales_and_zeros [in/g, out, 2] fp32) for torch's int4 mm."""
+    scales = qw.scales.to(torch.float32)
+    if qw.zeros is None:
+        u = qw.codes.to(torch.int32) + 8
+        zero = torch.zeros_like(scales)
+    else:
+        u = qw.codes.to(torch.int32) - qw.zeros.to(torch.int32).repeat_interleave(qw.group_size, 1) + 8
+        zero = torch.zeros_like(scales)
+        if int(u.min()) < 0 or int(u.max()) > 15:  # z outside 0..15 shifted the codes: use the float zero instead
+            u = qw.codes.to(torch.int32)
+            zero = (8 - qw.zeros.to(torch.float32)) * scales
+    return u, torch.stack([scales, zero], dim=-1).transpose(0, 1).contiguous()
+
+
+class Int4Linear(nn.Module):
+    """y = x @ w_hat.T + b with w_hat = (q - z) * s kept as INT4.
+
+    Buffers: `packed` (kernel layout for the device it was built on), `scales_and_zeros`
+    [in/g, out, 2]; `mode` is "cpu_int4", "cuda_int4" or "dequant" (then `weight_dense`)."""
+
+    def __init__(self, qw: QuantizedWeight, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, allow_kernel: bool = True):
+        super().__init__()
+        self.out_features, self.in_features = qw.shape
+        self.group_size = qw.group_size
+        self.dtype = dtype
+        device = torch.device(device)
+        self.mode = "dequant"
+        bias = qw.bias.to(device=device, dtype=dtype) if qw.bias is not None else None
+        self.register_buffer("bias", bias)
+        if allow_kernel:
+            self._try_kernel(qw, device, dtype)
+        if self.mode == "dequant":
+            self.register_buffer("weight_dense", dequantize(qw, dtype).to(device))
+
+    def _try_kernel(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> None:
+        u, sz = tinygemm_operands(qw)
+        try:
+            if device.type == "cpu":
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 1)
+                sz = sz.to(dtype)
+                probe = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.zeros(1, self.in_features, dtype=dtype), packed, self.group_size, sz)
+                mode = "cpu_int4"
+            elif device.type == "cuda" and dtype == torch.bfloat16:
+                u8 = ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8).to(device)
+                packed = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
+                sz = sz.to(device=device, dtype=dtype)
+                probe = torch.ops.aten._weight_int4pack_mm(torch.zeros(1, self.in_features, dtype=dtype, device=device), packed, self.group_size, sz)
+                mode = "cuda_int4"
+            else:
+                return
+        except (RuntimeError, NotImplementedError):
+            return  # shape/dtype the kernel does not take: dequantized fallback
+        if probe.shape[-1] != self.out_features:
+            return
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", sz)
+        # nibbles (u of columns 2i, 2i+1 in one byte) for the on-the-fly dequantized path
+        self.register_buffer("nibbles", ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8).to(device))
+        self.mode = mode
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """w = (u - 8) * scale + zero, [out, in], from the kept nibbles (same formula as the kernel)."""
+        if self.mode == "dequant":
+            return self.weight_dense.to(dtype)
+        u = torch.stack([self.nibbles >> 4, self.nibbles & 0xF], dim=-1).reshape(self.out_features, self.in_features)
+        sz = self.scales_and_zeros.to(torch.float32)
+        scale = sz[..., 0].t().repeat_interleave(self.group_size, 1)
+        zero = sz[..., 1].t().repeat_interleave(self.group_size, 1)
+        return ((u.to(torch.float32) - 8) * scale + zero).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "dequant":
+            return nn.functional.linear(x, self.weight_dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
+        if x2.shape[0] > KERNEL_MAX_ROWS:
+            w = self.dequantized_weight(self.dtype)
+            return nn.functional.linear(x2, w, self.bias).reshape(*shape[:-1], self.out_features).to(x.dtype)
+        if self.mode == "cpu_int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, mode={self.mode}"
+
+
+def swap_int4_linears(model: nn.Module, qweights: dict[str, QuantizedWeight], allow_kernel: bool = True) -> nn.Module:
+    """Replace, in place, every nn.Linear named in `qweights` (module paths as in
+    `model.named_modules()`) by an Int4Linear on that linear's device and dtype. A bias stored
+    with the QuantizedWeight wins over the module's own. Returns `model`."""
+    modules = dict(model.named_modules())
+    missing = [path for path in qweights if path not in modules]
+    if missing:
+        raise KeyError(f"swap_int4_linears: no module named {missing[:3]}")
+    for path, qw in qweights.items():
+        old = modules[path]
+        weight = getattr(old, "weight", None)
+        device = weight.device if weight is not None else torch.device("cpu")
+        dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
+        if qw.bias is None and getattr(old, "bias", None) is not None:
+            qw = QuantizedWeight(qw.codes, qw.scales, qw.zeros, qw.group_size, qw.bits, old.bias.detach())
+        new = Int4Linear(qw, device=device, dtype=dtype, allow_kernel=allow_kernel)
+        parent_path, _, name = path.rpartition(".")
+        setattr(modules[parent_path] if parent_path else model, name, new)
+    return model
