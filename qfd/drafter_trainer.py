@@ -189,7 +189,9 @@ def train_drafter(drafter, target: FrozenTarget, train: Sequence[TrainSequence],
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=device.type == "cuda")
     weights = slot_weights(drafter.block_size, cfg.gamma)
-    run_key = {"config": asdict(cfg), "sequences": len(train), "drafter": repr(drafter.cfg)}
+    # What must match for a checkpoint to be resumed (not: how often it checkpoints or logs).
+    same_run = {k: v for k, v in asdict(cfg).items() if k not in ("checkpoint_every_s", "max_minutes", "log_every")}
+    run_key = {"config": same_run, "sequences": len(train), "drafter": repr(drafter.cfg)}
     step, elapsed_before, history = 0, 0.0, []
     state_path = Path(state_dir) / STATE_FILE if state_dir is not None else None
     if state_path is not None and state_path.is_file():

@@ -39,16 +39,17 @@ def test_quality_run_writes_results_samples_and_manifest(tiny_chat_checkpoints, 
     target = str(tiny_chat_checkpoints["llama"])
     baseline = str(tiny_chat_checkpoints["qwen3"])
     out = tmp_path / "ev"
-    argv = ["eval", "ifeval", "gpqa", "mmlu-pro", "--target", target, "--baseline", baseline, "--data-dir", str(DATA),
+    # mmlu-pro's lm-eval path is covered by test_harness (its 14 subjects x 5 shots are slow here).
+    argv = ["eval", "ifeval", "gpqa", "--target", target, "--baseline", baseline, "--data-dir", str(DATA),
             "--limit", "1", "--max-gen-toks", "3", "--out", str(out), "--device", "cpu", "--batch-size", "4", "--backend", "hf"]
     main(argv)
     printed = capsys.readouterr().out
     assert "paper gate" in printed and ">= 95%" in printed
     results = json.loads((out / "results.json").read_text())
-    assert set(results["quality"]) == {"ifeval", "gpqa", "mmlu-pro"}
-    mmlu = results["quality"]["mmlu-pro"]
-    assert len(mmlu["system"]["subtasks"]) == 14 and mmlu["paper_gate"] == 0.621
-    assert {"baseline", "passes_relative_gate", "passes_paper_gate"} <= set(mmlu)
+    assert set(results["quality"]) == {"ifeval", "gpqa"}
+    gpqa = results["quality"]["gpqa"]
+    assert gpqa["paper_gate"] == 0.630 and gpqa["system"]["metric"] == "exact_match,flexible-extract"
+    assert {"baseline", "passes_relative_gate", "passes_paper_gate"} <= set(gpqa)
     assert results["quality"]["ifeval"]["system"]["n"] == 1
     # Outputs are at most 3 new tokens: the cap reached every task.
     from transformers import AutoTokenizer
@@ -59,7 +60,7 @@ def test_quality_run_writes_results_samples_and_manifest(tiny_chat_checkpoints, 
     manifest = read_manifest(out)
     assert manifest["stage"] == "eval"
     assert {p["role"] for p in manifest["parents"]} == {"target", "baseline"}
-    assert set(manifest["metrics"]) >= {"ifeval", "gpqa", "mmlu-pro", "ifeval_baseline"}
+    assert set(manifest["metrics"]) >= {"ifeval", "gpqa", "ifeval_baseline"}
     _fails(argv, capsys, "--overwrite")
 
 
@@ -98,7 +99,7 @@ def test_engine_path_on_the_embedded_model(tmp_path):
     from qfd.cli import main
 
     out = tmp_path / "ev"
-    main(["eval", "ifeval", "--target", "smollm2-135m", "--data-dir", str(DATA), "--limit", "2", "--max-gen-toks", "16",
+    main(["eval", "ifeval", "--target", "smollm2-135m", "--data-dir", str(DATA), "--limit", "2", "--max-gen-toks", "8",
           "--out", str(out), "--device", "cpu", "--backend", "engine"])
     results = json.loads((out / "results.json").read_text())
     assert results["backend"] == "engine"

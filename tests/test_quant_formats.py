@@ -45,7 +45,7 @@ def test_awq_order_places_column_j_at_its_nibble():
 
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_compressed_tensors_packing_matches_the_library(symmetric):
-    ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    ct = _ct_helpers()
     from qfd.quant.formats import compressed_tensors as fmt
 
     qw = rtn_quantize(torch.randn(48, 96), 32, symmetric=symmetric, scale_dtype=torch.bfloat16)
@@ -66,8 +66,8 @@ CASES = [("compressed-tensors", True, 32), ("compressed-tensors", False, 64), ("
 def test_unpack_repack_is_bit_exact(tmp_path, format_name, symmetric, group_size):
     from tests.tiny import make_tiny_checkpoint
 
-    hidden = 128 if group_size == 128 else 64
-    src = make_tiny_checkpoint("llama", tmp_path / "dense", hidden_size=hidden, intermediate_size=2 * hidden)
+    sizes = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=4) if group_size == 128 else {}
+    src = make_tiny_checkpoint("llama", tmp_path / "dense", **sizes)
     from safetensors.torch import load_file
 
     dense = load_file(str(src / "model.safetensors"))
@@ -159,3 +159,20 @@ def _gsm8k():
     if not path.is_file():
         pytest.skip("no GSM8K data")
     return path
+
+
+def _ct_helpers():
+    """compressed_tensors' pack helpers, loaded from their file (importing the package pulls
+    in torchao and takes long); skip when the library is absent."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("compressed_tensors")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("compressed-tensors not installed")
+    from pathlib import Path
+
+    path = Path(list(spec.submodule_search_locations)[0]) / "compressors" / "pack_quantized" / "helpers.py"
+    helper_spec = importlib.util.spec_from_file_location("_ct_pack_helpers", path)
+    module = importlib.util.module_from_spec(helper_spec)
+    helper_spec.loader.exec_module(module)
+    return module

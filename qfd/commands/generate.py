@@ -20,6 +20,8 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."),
     ) -> None:
         """Generate with the runtime target model, streaming tokens to stdout; stats go to stderr."""
+        import sys
+
         from transformers.utils import logging as hf_logging
 
         from qfd.console import console
@@ -29,7 +31,8 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
 
         cfg = GenerateConfig(target=target, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, device=device, dtype=dtype)
         result = run(cfg)
-        typer.echo("")  # end the streamed line
+        sys.stdout.write("\n")  # end the streamed line before the stats (stderr)
+        sys.stdout.flush()
         end = "stop token" if result.stopped else "max tokens"
         console.print(
             f"[dim]{len(result.tokens)} tokens ({end}), {result.tokens_per_s:.1f} tokens/s, "

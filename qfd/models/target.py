@@ -68,7 +68,9 @@ class TargetConfig:
         if family not in FAMILIES:
             raise QfdError(f"family '{family}' has no runtime model; qfd runs {', '.join(FAMILIES)}")
         text = dict(config.get("text_config") or config)
-        text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        if "text_config" in config and "tie_word_embeddings" in config:
+            # the full Qwen3.5 checkpoint decides tying at the top level (its lm_head is outside the text model)
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
         if text.get("hidden_act", "silu") != "silu":
             raise QfdError(f"hidden_act '{text['hidden_act']}' is not supported by qfd's runtime model (only silu)")
         if text.get("use_sliding_window"):

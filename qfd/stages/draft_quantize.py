@@ -208,12 +208,12 @@ def run(cfg: DraftQuantizeConfig) -> Path:
     drafter_model, target_dir = _validate(cfg)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
+    drafter = load_drafter_any(drafter_model.path, device=device, dtype=dtype)
+    _check_group_size(drafter, cfg.group_size)
     staging = Staging(cfg.out, overwrite=cfg.overwrite, fresh=True)
-
-    console.print(f"loading target {target_dir.path} and drafter {drafter_model.path} ({device}, {str(dtype).removeprefix('torch.')})")
+    console.print(f"loading target {target_dir.path} ({device}, {str(dtype).removeprefix('torch.')})")
     target = load_hf_causal_lm(target_dir, device=device, dtype=dtype)
     tokenizer = load_tokenizer(target_dir) if cfg.data is None else None
-    drafter = load_drafter_any(drafter_model.path, device=device, dtype=dtype)
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
 
     n_eval = min(cfg.eval_samples, max(1, cfg.samples // 4))
@@ -261,6 +261,17 @@ def run(cfg: DraftQuantizeConfig) -> Path:
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     config.update({"gptq": asdict(gcfg), "transforms": prior_transforms(drafter_model.path) + ["quantize"], "sequential_groups": groups})
     return staging.commit(stage=STAGE, parents={"drafter": drafter_model.path, "target": target_dir.path}, config=config, metrics=metrics)
+
+
+def _check_group_size(drafter, group_size: int) -> None:
+    """Every linear's in_features must be a multiple of the group size (checked before any work)."""
+    import torch
+
+    bad = sorted({m.in_features for m in drafter.modules() if isinstance(m, torch.nn.Linear) and m.in_features % group_size})
+    if bad:
+        fits = [g for g in (128, 64, 32) if all(f % g == 0 for f in bad)]
+        hint = f"use --group-size {fits[0]}" if fits else "no supported group size divides them"
+        raise QfdError(f"--group-size {group_size} does not divide the drafter's input widths {bad}; {hint}")
 
 
 def _stored_dtype(config: dict) -> str:

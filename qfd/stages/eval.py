@@ -187,11 +187,11 @@ def run(cfg: EvalConfig) -> Path:
 
 def _state_for(staging: Any, cfg: EvalConfig) -> Path:
     """The resumable state dir; results of an interrupted run are reused only when that run
-    had the same settings (the device/backend aside, which do not change what is measured)."""
+    had the same settings (the batch size aside: it does not change what is measured)."""
     import shutil
 
     state = staging.state_dir()
-    wanted = {k: str(v) for k, v in asdict(cfg).items() if k not in ("overwrite",)}
+    wanted = {k: str(v) for k, v in asdict(cfg).items() if k not in ("overwrite", "batch_size")}
     marker = state / "config.json"
     if marker.is_file() and json.loads(marker.read_text()) != wanted:
         console.print("[yellow]the interrupted eval in the staging directory had other settings: starting over[/yellow]")
@@ -388,12 +388,13 @@ def summary_tables(path: Path) -> list[Any]:
         tables.append(table)
         rates = {n: e["system"]["accept_per_position"] for n, e in latency["settings"].items() if e.get("system", {}).get("accept_per_position")}
         if rates:
+            # One row per draft position (a block of 16 drafts 15), one column per setting.
             width = max(len(r) for r in rates.values())
             table = Table(title="acceptance per draft position")
-            table.add_column("setting")
+            table.add_column("position", justify="right")
+            for name in rates:
+                table.add_column(name, justify="right")
             for k in range(width):
-                table.add_column(str(k + 1), justify="right")
-            for name, r in rates.items():
-                table.add_row(name, *[f"{x:.2f}" for x in r])
+                table.add_row(str(k + 1), *[f"{r[k]:.3f}" if k < len(r) else "" for r in rates.values()])
             tables.append(table)
     return tables

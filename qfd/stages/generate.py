@@ -99,9 +99,12 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int = 0, 
 
 
 @torch.inference_mode()
-def decode(model, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int | None = None, on_tokens: Callable[[list[int]], None] | None = None, cache=None) -> DecodeResult:
+def decode(model, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_ids: Sequence[int] = (), seed: int | None = None, on_tokens: Callable[[list[int]], None] | None = None, cache=None, step: Callable | None = None) -> DecodeResult:
     """Target-only decoding, batch 1: prefill the prompt, then one token per forward until a
-    stop id or `max_new_tokens`. `on_tokens` gets each committed chunk (here: one token)."""
+    stop id or `max_new_tokens`. `on_tokens` gets each committed chunk (here: one token).
+    `cache`: reuse a preallocated cache (reset here). `step`: a replacement for
+    `model.forward_at` for the 1-token steps, e.g. its torch.compile'd version over a static
+    cache (bench/bench_generate.py --compile)."""
     device = model.model.embed_tokens.weight.device
     generator = None
     if seed is not None:
@@ -116,10 +119,15 @@ def decode(model, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature
     start = time.perf_counter()
     ids = torch.tensor([list(prompt_ids)], device=device)
     ttft = 0.0
-    for step in range(max_new_tokens):
-        logits = model(ids, cache, last_only=True).logits[:, -1]
+    for index in range(max_new_tokens):
+        if index == 0 or step is None:
+            logits = model(ids, cache, last_only=True).logits[:, -1]
+        else:
+            position = cache.begin(1)
+            logits = step(ids, cache, torch.tensor([position], device=device), (), True).logits[:, -1]
+            cache.end(1)
         token = int(sample_next(logits, temperature, top_k, top_p, generator)[0])
-        if step == 0:
+        if index == 0:
             sync()
             ttft = time.perf_counter() - start
         tokens.append(token)

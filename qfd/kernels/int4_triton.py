@@ -1,0 +1,315 @@
+"""W4A16 matmul in Triton: y = x @ w_hat.T (+ b), w_hat = (q - z) * s, for decode (M = 1) and
+speculative verify (M = 16) row counts, correct for any M.
+
+Layout (`pack_for_triton`), chosen so every weight load is a coalesced, 16-byte-per-thread row
+of N int32 and the dequantized tile needs no register reshuffle:
+  qweight [K_pad / 8, N] int32. K is cut into tiles of 128; tile t owns packed rows
+          16t .. 16t+15. Bits 4j..4j+3 of row 16t + p, column n hold the code u of weight
+          (n, k = 128t + 16j + p): nibble j of a tile's 16 rows is the contiguous 16-wide
+          K slice [128t + 16j, 128t + 16j + 16), so one shift gives a ready [16, N] operand
+          for a K=16 tensor-core dot (M >= 2) or a CUDA-core FMA (M = 1).
+  scales  [K_pad / g, N] (the QuantizedWeight's dtype), zeros [K_pad / g, N] uint8 or None.
+  u = q + 8 for symmetric weights (zero point 8), u = q with per-group zeros otherwise.
+K is padded to a multiple of 128 (padded weights have u = z: they contribute 0; x is masked).
+
+Dequantization in registers: u | 0x4B000000 read as float is 2^23 + u exactly, so
+(2^23 + u) - (2^23 + z) gives q - z with one subtract (no int->float conversion). Group
+scales multiply a per-group partial sum, not every weight. fp32 accumulation throughout.
+
+Split-K (SPLIT_K > 1): each program writes its fp32 partial tile to a workspace, bumps a
+per-output-tile counter; the last program of a tile sums the partials in split order
+(deterministic) and writes y, then resets the counter: one launch, no memset, graph-safe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from qfd.quant.types import QuantizedWeight
+
+TILE_K = 128  # K per packed tile (16 int32 rows x 8 nibbles)
+_COUNTER_TILES = 8192  # counters per packed weight: (M tiles) x (N tiles) that split-K may use
+
+try:  # triton is optional (CUDA torch ships it; CI does not install it)
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except Exception:  # pragma: no cover - exercised where triton is absent
+    triton = None
+    tl = None
+    _HAVE_TRITON = False
+
+
+def available() -> bool:
+    """True when the Triton kernel can run here: triton importable and a CUDA device (or the
+    CPU interpreter, TRITON_INTERPRET=1, for tests)."""
+    import os
+
+    if not _HAVE_TRITON:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@dataclass
+class TritonInt4Weight:
+    """Packed operands of one INT4 linear for `int4_matmul` (shapes in the module docstring)."""
+
+    qweight: torch.Tensor  # [K_pad/8, N] int32
+    scales: torch.Tensor  # [K_pad/g, N]
+    zeros: torch.Tensor | None  # [K_pad/g, N] uint8, None = symmetric (zero point 8)
+    counters: torch.Tensor  # [_COUNTER_TILES] int32, zero between launches
+    group_size: int
+    in_features: int  # K (unpadded)
+    out_features: int  # N
+
+    @property
+    def padded_in(self) -> int:
+        return self.qweight.shape[0] * 8
+
+    def nbytes(self) -> int:
+        """Bytes a matmul must read for the weight (codes + scales + zeros)."""
+        z = self.zeros.numel() * self.zeros.element_size() if self.zeros is not None else 0
+        return self.qweight.numel() * 4 + self.scales.numel() * self.scales.element_size() + z
+
+
+def pack_for_triton(qweight: QuantizedWeight, device: torch.device | str | None = None, scale_dtype: torch.dtype | None = None) -> TritonInt4Weight:
+    """QuantizedWeight (codes [N, K], scales/zeros [N, K/g]) -> TritonInt4Weight on `device`
+    (default: the codes' device). Pure torch; raises ValueError for codes that do not fit a nibble."""
+    g = int(qweight.group_size)
+    if g % 16 != 0 or (g < TILE_K and TILE_K % g != 0):
+        raise ValueError(f"pack_for_triton: group size {g} must be a multiple of 16 dividing 128, or a multiple of 128")
+    codes = qweight.codes.to(torch.int32)
+    n, k = codes.shape
+    if k % g != 0 or qweight.scales.shape != (n, k // g):
+        raise ValueError(f"pack_for_triton: scales {tuple(qweight.scales.shape)} do not match codes {(n, k)} with group {g}")
+    unit = TILE_K * g // math.gcd(TILE_K, g)
+    k_pad = -(-k // unit) * unit
+    pad_groups = (k_pad - k) // g
+    if qweight.zeros is None:
+        u = codes + 8
+        zeros = None
+        pad_code = 8
+    else:
+        u = codes
+        zeros = qweight.zeros.to(torch.int32)
+        if int(zeros.min()) < 0 or int(zeros.max()) > 255:
+            raise ValueError("pack_for_triton: zero points must lie in 0..255")
+        pad_code = 0
+    if int(u.min()) < 0 or int(u.max()) > 15:
+        raise ValueError("pack_for_triton: codes outside the INT4 range (symmetric -8..7, zero-point 0..15)")
+    if k_pad != k:
+        u = torch.cat([u, torch.full((n, k_pad - k), pad_code, dtype=torch.int32, device=u.device)], 1)
+    # [N, K_pad] -> [N, T, 8 (j), 16 (p)] -> word [T, 16 (p), N] = sum_j u << 4j
+    u = u.reshape(n, k_pad // TILE_K, 8, 16)
+    words = torch.zeros(n, k_pad // TILE_K, 16, dtype=torch.int64, device=u.device)
+    for j in range(8):
+        words |= u[:, :, j, :].to(torch.int64) << (4 * j)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # reinterpret as signed int32
+    packed = words.permute(1, 2, 0).reshape(k_pad // 8, n).contiguous()
+    scales = qweight.scales if scale_dtype is None else qweight.scales.to(scale_dtype)
+    if pad_groups:
+        scales = torch.cat([scales, torch.zeros(n, pad_groups, dtype=scales.dtype, device=scales.device)], 1)
+        if zeros is not None:
+            zeros = torch.cat([zeros, torch.zeros(n, pad_groups, dtype=zeros.dtype, device=zeros.device)], 1)
+    dev = torch.device(device) if device is not None else codes.device
+    return TritonInt4Weight(
+        qweight=packed.to(dev),
+        scales=scales.t().contiguous().to(dev),
+        zeros=None if zeros is None else zeros.t().contiguous().to(torch.uint8).to(dev),
+        counters=torch.zeros(_COUNTER_TILES, dtype=torch.int32, device=dev),
+        group_size=g,
+        in_features=k,
+        out_features=n,
+    )
+
+
+def unpack_codes(packed: TritonInt4Weight) -> torch.Tensor:
+    """Inverse layout: the nibbles u [N, K] int32 (u = q + 8 symmetric, u = q zero-point)."""
+    words = packed.qweight.to(torch.int64) & 0xFFFFFFFF  # [T*16, N]
+    t = words.shape[0] // 16
+    words = words.reshape(t, 16, -1)  # [T, p, N]
+    u = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], dim=1)  # [T, j, p, N]
+    return u.reshape(t * TILE_K, -1).t()[:, : packed.in_features].to(torch.int32).contiguous()
+
+
+def dequantize_packed(packed: TritonInt4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w_hat [N, K] from the packed layout, in float32 then `dtype` (pure torch reference)."""
+    u = unpack_codes(packed).to(torch.float32)
+    k, g = packed.in_features, packed.group_size
+    s = packed.scales.t().to(torch.float32).repeat_interleave(g, 1)[:, :k]
+    z = 8.0 if packed.zeros is None else packed.zeros.t().to(torch.float32).repeat_interleave(g, 1)[:, :k]
+    return ((u - z) * s).to(dtype)
+
+
+def reference_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch int4_matmul: float32 math on the packed layout, result in x.dtype."""
+    w = dequantize_packed(packed).to(x.device)
+    y = x.to(torch.float32) @ w.t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+# --------------------------------------------------------------------------- kernel
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _int4_mm_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K, KT, stride_xm, stride_ym,
+        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+        DOT_IEEE: tl.constexpr,
+    ):
+        """One program: rows [BM*pid_m, +BM) x outputs [BN*pid_n, +BN) x K tiles of split pid_k."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        m_mask = offs_m < M
+        offs_p = tl.arange(0, 16)
+        tiles_per = tl.cdiv(KT, SPLIT_K)
+        t0 = pid_k * tiles_per
+        t1 = tl.minimum(t0 + tiles_per, KT)
+        x_dtype = x_ptr.dtype.element_ty
+
+        if USE_DOT:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        else:
+            acc = tl.zeros((16, BN), dtype=tl.float32)  # reduced over its 16 rows at the end
+        q_rows = q_ptr + offs_p[:, None] * N + offs_n[None, :]
+        p_next = tl.load(q_rows + t0 * 16 * N, mask=n_mask[None, :] & (t0 < t1), other=0)
+        for t in range(t0, t1):
+            p_cur = p_next
+            # prefetch the next tile while this one is dequantized (two tiles in flight)
+            p_next = tl.load(q_rows + (t + 1) * 16 * N, mask=n_mask[None, :] & (t + 1 < t1), other=0)
+            for j in tl.static_range(8):
+                k0 = t * 128 + j * 16
+                if (j * 16) % GROUP == 0:  # a new group starts at this K slice: its scale/zero
+                    g = k0 // GROUP
+                    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                    if HAS_ZEROS:
+                        c = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + 8388608.0
+                    else:
+                        c = tl.full((BN,), 8388616.0, tl.float32)  # 2^23 + 8
+                bits = ((p_cur >> (4 * j)) & 0xF) | 0x4B000000
+                w = bits.to(tl.float32, bitcast=True) - c[None, :]  # [16, BN] exact q - z
+                offs_k = k0 + offs_p
+                if USE_DOT:
+                    xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+                    if (j * 16) % GROUP == 0:
+                        if DOT_IEEE:
+                            part = tl.dot(xj, w.to(x_dtype), input_precision="ieee")
+                        else:
+                            part = tl.dot(xj, w.to(x_dtype))
+                    else:
+                        if DOT_IEEE:
+                            part = tl.dot(xj, w.to(x_dtype), part, input_precision="ieee")
+                        else:
+                            part = tl.dot(xj, w.to(x_dtype), part)
+                    if ((j + 1) * 16) % GROUP == 0 or j == 7:  # group (or tile) ends: scale it
+                        acc += part * s[None, :]
+                else:
+                    xj = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                    if (j * 16) % GROUP == 0:
+                        part = w * xj[:, None]
+                    else:
+                        part += w * xj[:, None]
+                    if ((j + 1) * 16) % GROUP == 0 or j == 7:
+                        acc += part * s[None, :]
+
+        if USE_DOT:
+            out = acc
+            out_m = offs_m
+            out_mask = m_mask[:, None] & n_mask[None, :]
+        else:
+            out = tl.sum(acc, axis=0)[None, :]  # [1, BN]
+            out_m = pid_m + tl.arange(0, 1)
+            out_mask = (out_m < M)[:, None] & n_mask[None, :]
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            ws_tile = ws_ptr + out_m[:, None] * N + offs_n[None, :]
+            tl.store(ws_tile + pid_k * M * N, out, mask=out_mask)
+            tl.debug_barrier()  # all threads' partial stores precede the release below
+            tile_id = pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # last split of this tile: reduce in split order
+                total = tl.load(ws_tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+                for sk in range(1, SPLIT_K):
+                    total += tl.load(ws_tile + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next launch
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters. use_dot: tensor-core path (BM rows per program, BM >= 16) vs the
+    CUDA-core GEMV path (one row per program)."""
+
+    use_dot: bool
+    block_n: int
+    split_k: int
+    num_warps: int = 4
+    block_m: int = 16
+    num_stages: int = 1
+
+
+def pick_config(m: int, n: int, k: int) -> KernelConfig:
+    """Heuristic launch config for an M x K @ K x N product on a 132-SM H200 (see docs/kernels.md
+    for the sweep it was read from). Split K until there are ~2 programs per SM."""
+    kt = -(-k // TILE_K)
+    if m == 1:
+        block_n, use_dot = 128, False
+    else:
+        block_n, use_dot = 64, True
+    n_tiles = -(-n // block_n) * (1 if m == 1 else -(-m // 16))
+    split = 1
+    while n_tiles * split < 264 and split * 2 <= kt and split < 8:
+        split *= 2
+    return KernelConfig(use_dot=use_dot, block_n=block_n, split_k=split)
+
+
+def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ w_hat.T (+ bias), in x.dtype (bf16/fp16/fp32), fp32 accumulation."""
+    if not _HAVE_TRITON:
+        raise RuntimeError("int4_matmul: triton is not installed (check available() first)")
+    k, n = packed.in_features, packed.out_features
+    if x.shape[-1] != k:
+        raise ValueError(f"int4_matmul: x has {x.shape[-1]} features, the weight takes {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    cfg = config or pick_config(m, n, k)
+    bm = cfg.block_m if cfg.use_dot else 1
+    grid_n = -(-n // cfg.block_n)
+    grid_m = -(-m // bm)
+    split = cfg.split_k
+    if grid_n * grid_m > packed.counters.numel():
+        split = 1
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    _int4_mm_kernel[(grid_n, split, grid_m)](
+        x2, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
+        bias if bias is not None else packed.scales, y, ws, packed.counters,
+        m, n, k, packed.qweight.shape[0] // 16, x2.stride(0), y.stride(0),
+        GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
+        BM=bm, BN=cfg.block_n, SPLIT_K=split, USE_DOT=cfg.use_dot, DOT_IEEE=x.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y.reshape(*lead, n)

@@ -1,0 +1,76 @@
+"""Presets for `qfd all`: the flags each stage gets.
+
+demo: the embedded SmolLM2-135M on a 2-core CPU in about 15 minutes - small data, short
+training, time-capped drafter training, scaled-down latency lengths. Numbers it prints are
+real measurements of that small run, not of the paper's setting.
+qwen3.5-4b: the paper's hyperparameters (method.md) for a GPU box.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qfd.stages.all import Paths, Step
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {
+        "model": "smollm2-135m",
+        "quantize": ["--method", "gptq", "--samples", "32"],
+        "qad": ["--generate-samples", "64", "--generate-tokens", "128", "--steps", "60", "--seq-len", "256", "--batch-size", "4", "--eval-every", "30", "--lr", "1e-5"],
+        "data": ["--num", "160", "--max-new-tokens", "128", "--batch-size", "16"],
+        "draft1": ["--lr", "6e-4", "--max-minutes", "3", "--epochs", "8", "--grad-accum", "2", "--max-anchors", "64"],
+        "draft2": ["--lr", "3e-4", "--max-minutes", "1.5", "--epochs", "4", "--grad-accum", "2", "--max-anchors", "64"],
+        "draft_quantize": ["--samples", "32"],
+        "swa": ["--window", "1024"],
+        "latency": ["--scale", "0.05", "--warmup", "1", "--runs", "3"],
+        "quality": ["ifeval", "--limit", "16", "--max-gen-toks", "256"],
+    },
+    "qwen3.5-4b": {
+        "model": "Qwen/Qwen3.5-4B",
+        "quantize": ["--method", "awq", "--group-size", "128", "--samples", "256"],
+        # method.md: lr 2e-6, cosine, warmup 3%, wd 0, clip 1.0; teacher-generated chat text
+        "qad": ["--generate-samples", "4096", "--generate-tokens", "1024", "--steps", "2000", "--seq-len", "2048", "--batch-size", "4", "--grad-accum", "8", "--lr", "2e-6", "--eval-every", "200"],
+        "data": ["--num", "20000", "--max-new-tokens", "2048", "--batch-size", "64"],
+        # method.md: AdamW lr 6e-4..1e-3, warmup 4%, clip 1.0, max length 3072, 512 anchors
+        "draft1": ["--lr", "6e-4", "--epochs", "6", "--grad-accum", "8", "--max-anchors", "512", "--max-len", "3072"],
+        "draft2": ["--lr", "3e-4", "--epochs", "2", "--grad-accum", "8", "--max-anchors", "512", "--max-len", "3072"],
+        "draft_quantize": ["--samples", "256", "--anchors-per-sample", "16", "--group-size", "128"],
+        "swa": ["--window", "1024"],
+        "latency": ["--warmup", "5", "--runs", "50"],
+        "quality": ["mmlu-pro", "ifeval", "gpqa"],
+    },
+}
+
+
+def steps_for(preset: dict[str, Any], quality: bool = True) -> list[Step]:
+    """The pipeline of one preset, in order (see qfd.stages.all)."""
+
+    def out(paths: Paths, subdir: str) -> list[str]:
+        return ["--out", str(paths[subdir]), "--device", paths.device]
+
+    steps = [
+        Step("quantize", "1-quantize", "quantize",
+             lambda p: ["quantize", "--model", p.model, *preset["quantize"], "--out", str(p["1-quantize"])],
+             enabled=lambda p: p.ckpt is None),
+        Step("qad", "2-qad", "qad",
+             lambda p: ["qad", "--ckpt", str(p.int4), "--teacher", p.model, *preset["qad"], *out(p, "2-qad")]),
+        Step("data-bf16", "3-data-bf16", "draft-data",
+             lambda p: ["draft", "data", "--target", p.model, *preset["data"], *out(p, "3-data-bf16")]),
+        Step("draft-stage1", "4-draft-stage1", "draft-stage1",
+             lambda p: ["draft", "train", "--stage", "1", "--target", p.model, "--data", str(p["3-data-bf16"]), *preset["draft1"], *out(p, "4-draft-stage1")]),
+        Step("data-int4", "5-data-int4", "draft-data",
+             lambda p: ["draft", "data", "--target", str(p["2-qad"]), *preset["data"], *out(p, "5-data-int4")]),
+        Step("draft-stage2", "6-draft-stage2", "draft-stage2",
+             lambda p: ["draft", "train", "--stage", "2", "--target", str(p["2-qad"]), "--init", str(p["4-draft-stage1"]), "--data", str(p["5-data-int4"]), *preset["draft2"], *out(p, "6-draft-stage2")]),
+        Step("draft-quantize", "7-draft-quantize", "draft-quantize",
+             lambda p: ["draft", "quantize", "--drafter", str(p["6-draft-stage2"]), "--target", str(p["2-qad"]), "--data", str(p["5-data-int4"]), *preset["draft_quantize"], *out(p, "7-draft-quantize")]),
+        Step("draft-swa", "8-draft-swa", "draft-swa",
+             lambda p: ["draft", "swa", "--drafter", str(p["7-draft-quantize"]), *preset["swa"], *out(p, "8-draft-swa")]),
+        Step("eval-latency", "9-eval-latency", "eval",
+             lambda p: ["eval", "latency", "--target", str(p["2-qad"]), "--drafter", str(p["8-draft-swa"]), "--baseline", p.model, *preset["latency"], *out(p, "9-eval-latency")]),
+    ]
+    if quality:
+        steps.append(Step("eval-quality", "10-eval-quality", "eval",
+                          lambda p: ["eval", *preset["quality"], "--target", str(p["2-qad"]), "--drafter", str(p["8-draft-swa"]), *out(p, "10-eval-quality")]))
+    return steps

@@ -1,0 +1,185 @@
+"""Drafter training: learning beats no learning on held-out E[tau]; the stage refuses bad input
+before training; resume; the real embedded model runs stage 1 then stage 2."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from qfd.errors import QfdError
+
+
+def _tiny_records(model, n_prompts=40, new_tokens=32, seed=0):
+    from qfd.data import generate_responses
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 500, (int(torch.randint(4, 10, (1,), generator=g)),), generator=g).tolist() for _ in range(n_prompts)]
+    return generate_responses(model, None, prompts, max_new_tokens=new_tokens, batch_size=20, progress=False)
+
+
+def _data_dir(path, target_dir, records):
+    """A `qfd draft data`-shaped directory (tiny targets have no tokenizer for the CLI)."""
+    from qfd.checkpoint import Staging
+    from qfd.data import DATA_FILE, DATA_STAGE
+
+    staging = Staging(path, overwrite=True)
+    (staging.path / DATA_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    return staging.commit(stage=DATA_STAGE, parents={"target": target_dir})
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tiny_checkpoints):
+    from qfd.models.hf import load_hf_causal_lm
+
+    target_dir = tiny_checkpoints["llama"]
+    model = load_hf_causal_lm(target_dir)
+    return target_dir, model, _tiny_records(model)
+
+
+def test_trained_drafter_beats_untrained_on_heldout_acceptance(tiny_setup):
+    from qfd.drafter_trainer import FrozenTarget, TrainConfig, evaluate, prepare_sequences, split_holdout, train_drafter
+    from qfd.models.drafter import DFlashDrafter, config_for_target
+
+    target_dir, model, records = tiny_setup
+    cfg = config_for_target(json.loads((target_dir / "config.json").read_text()), None, num_layers=1, block_size=8)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    train, held = split_holdout(records, 0.25, 10, seed=0)
+    train_seqs, held_seqs = prepare_sequences(train, 512), prepare_sequences(held, 512)
+    target = FrozenTarget(model, cfg.target_layer_ids)
+    before = evaluate(drafter, target, held_seqs)
+    result = train_drafter(drafter, target, train_seqs, TrainConfig(steps=60, grad_accum=2, lr=3e-3, max_anchors=24), progress=False)
+    after = evaluate(drafter, target, held_seqs)
+    assert result["steps"] == 60
+    assert after["loss"] < before["loss"] - 0.2
+    assert after["expected_acceptance_length"] > before["expected_acceptance_length"] + 0.15, (before, after)
+
+
+def test_training_resumes_from_its_state(tmp_path, tiny_setup):
+    from qfd.drafter_trainer import FrozenTarget, TrainConfig, prepare_sequences, train_drafter
+    from qfd.models.drafter import DFlashDrafter, config_for_target
+
+    target_dir, model, records = tiny_setup
+    cfg = config_for_target(json.loads((target_dir / "config.json").read_text()), None, num_layers=1, block_size=4)
+    seqs = prepare_sequences(records[:8], 512)
+    target = FrozenTarget(model, cfg.target_layer_ids)
+    train_cfg = TrainConfig(steps=6, grad_accum=1, lr=1e-3, max_anchors=8)
+    torch.manual_seed(0)
+    straight = DFlashDrafter(cfg)
+    train_drafter(straight, target, seqs, train_cfg, progress=False)
+    torch.manual_seed(0)
+    partial = DFlashDrafter(cfg)
+    _train_steps(partial, target, seqs, train_cfg, tmp_path, stop_after=3)
+    resumed = DFlashDrafter(cfg)  # fresh weights: everything must come from the state
+    result = train_drafter(resumed, target, seqs, train_cfg, state_dir=tmp_path, progress=False)
+    assert result["steps"] == 6
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def _train_steps(drafter, target, seqs, train_cfg, state_dir, stop_after):
+    """Run train_drafter but interrupt it (KeyboardInterrupt) after `stop_after` steps, with a
+    checkpoint at every step (run keys ignore how often a run checkpoints)."""
+    from qfd import drafter_trainer
+
+    calls = {"n": 0}
+    original = torch.nn.utils.clip_grad_norm_
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > stop_after:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    cfg = train_cfg.__class__(**{**train_cfg.__dict__, "checkpoint_every_s": 0.0})
+    torch.nn.utils.clip_grad_norm_ = counting
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            drafter_trainer.train_drafter(drafter, target, seqs, cfg, state_dir=state_dir, progress=False)
+    finally:
+        torch.nn.utils.clip_grad_norm_ = original
+
+
+def _fake_quantized_copy(src, dst):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _train_cli(*args):
+    from qfd.cli import app
+
+    app(args=["draft", "train", *map(str, args)], standalone_mode=False)
+
+
+def test_stage_inputs_are_checked_before_training(tmp_path, tiny_setup, tiny_checkpoints):
+    target_dir, model, records = tiny_setup
+    fake_int4 = _fake_quantized_copy(target_dir, tmp_path / "int4")
+    with pytest.raises(QfdError, match="--init"):
+        _train_cli("--stage", 2, "--target", fake_int4, "--out", tmp_path / "o1")
+    with pytest.raises(QfdError, match="no quantization_config"):
+        _train_cli("--stage", 2, "--target", target_dir, "--init", tmp_path, "--out", tmp_path / "o2")
+    with pytest.raises(QfdError, match="quantized"):
+        _train_cli("--stage", 1, "--target", fake_int4, "--out", tmp_path / "o3")
+    empty = _data_dir(tmp_path / "empty", target_dir, [{"index": 0, "prompt_ids": [5, 6], "response_ids": []}, {"index": 1, "prompt_ids": [7], "response_ids": [2]}])
+    with pytest.raises(QfdError, match="no usable response tokens"):
+        _train_cli("--stage", 1, "--target", target_dir, "--data", empty, "--out", tmp_path / "o4")
+    foreign = _data_dir(tmp_path / "foreign", tiny_checkpoints["qwen3"], records)
+    with pytest.raises(QfdError, match="generated by"):
+        _train_cli("--stage", 1, "--target", target_dir, "--data", foreign, "--out", tmp_path / "o5")
+    # An --init drafter whose tap layers do not exist in the target.
+    from qfd.models.drafter import DFlashDrafter, config_for_target, save_drafter
+
+    bad = config_for_target(json.loads((target_dir / "config.json").read_text()), None, num_layers=1).with_(target_layer_ids=(1, 9), num_target_layers=12)
+    save_drafter(DFlashDrafter(bad), tmp_path / "bad_init")
+    with pytest.raises(QfdError, match="tap layers"):
+        _train_cli("--stage", 2, "--target", fake_int4, "--init", tmp_path / "bad_init", "--out", tmp_path / "o6")
+    for name in ("o1", "o2", "o3", "o4", "o5", "o6"):
+        assert not (tmp_path / name).exists()
+
+
+def test_stage1_cli_writes_a_pinned_drafter(tmp_path, tiny_setup):
+    from qfd.manifest import fingerprint, read_manifest
+    from qfd.models.drafter import load_drafter, verify_drafter_target
+
+    target_dir, model, records = tiny_setup
+    data = _data_dir(tmp_path / "data", target_dir, records)
+    out = tmp_path / "d1"
+    _train_cli("--stage", 1, "--target", target_dir, "--data", data, "--out", out, "--layers", 1, "--block-size", 4, "--steps", 4, "--grad-accum", 1, "--max-anchors", 8, "--eval-fraction", 0.1)
+    manifest = read_manifest(out)
+    assert manifest["stage"] == "draft-stage1"
+    parents = {p["role"]: p for p in manifest["parents"]}
+    assert parents["target"]["fingerprint"] == fingerprint(target_dir)
+    assert manifest["metrics"]["steps"] == 4 and manifest["metrics"]["expected_acceptance_length"] >= 1.0
+    assert len(manifest["metrics"]["accuracy_per_position"]) == 3
+    assert (out / "training.png").is_file() and not (out / "_state").exists()
+    verify_drafter_target(out, target_dir)
+    assert load_drafter(out).cfg.block_size == 4
+
+
+@pytest.mark.slow
+def test_embedded_stage1_then_stage2(tmp_path, embedded_model_dir, gsm8k_dir):
+    """The real model: stage 1 against BF16, RTN INT4 target, stage 2 from stage 1; both with an
+    expected acceptance length clearly above 1 on held-out GSM8K responses."""
+    from qfd.cli import app
+    from qfd.manifest import read_manifest
+
+    common = ["--num-prompts", 24, "--max-new-tokens", 48, "--gen-batch-size", 12, "--layers", 1, "--grad-accum", 2, "--max-anchors", 16, "--eval-fraction", 0.17, "--lr", 2e-3]
+    _train_cli("--stage", 1, "--target", embedded_model_dir, "--out", tmp_path / "d1", "--steps", 30, *common)
+    m1 = read_manifest(tmp_path / "d1")["metrics"]
+    assert m1["expected_acceptance_length"] > 1.3, m1
+    assert m1["expected_acceptance_length"] > m1["init_expected_acceptance_length"] + 0.2
+    try:
+        app(args=["quantize", "--model", str(embedded_model_dir), "--out", str(tmp_path / "int4"), "--method", "rtn"], standalone_mode=False)
+    except Exception as exc:  # helper B's command missing or failing: say so, do not hide stage 1
+        pytest.skip(f"stage 2 needs an INT4 target from `qfd quantize --method rtn` ({type(exc).__name__}: {exc})")
+    _train_cli("--stage", 2, "--target", tmp_path / "int4", "--init", tmp_path / "d1", "--out", tmp_path / "d2", "--steps", 10, *common)
+    m2 = read_manifest(tmp_path / "d2")["metrics"]
+    assert m2["expected_acceptance_length"] > 1.3, m2
+    parents = {p["role"] for p in read_manifest(tmp_path / "d2")["parents"]}
+    assert parents == {"target", "init"}
