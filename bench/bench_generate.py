@@ -75,8 +75,6 @@ def bench_transformers(model_dir, ids, n, device, dtype, compile_, sync, repeats
 
 
 def bench_qfd(model_dir, ids, n, device, dtype, compile_, sync, repeats):
-    import torch
-
     from qfd.models.loading import load_target
     from qfd.stages.generate import decode
 

@@ -238,7 +238,7 @@ def train_drafter(drafter, target: FrozenTarget, train: Sequence[TrainSequence],
                 for seq, anchors in parts:
                     loss_sum, _ = sequence_loss(drafter, target, seq, anchors, weights)
                     (loss_sum / norm).backward()
-                    loss_value += float(loss_sum) / norm
+                    loss_value += float(loss_sum.detach()) / norm
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip))
                 optimizer.step()
                 step += 1

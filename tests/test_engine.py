@@ -19,6 +19,15 @@ HYBRID_AND_DENSE = ("llama", "qwen3_5")
 NEW = 40
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls run fastest (and steadiest on a busy box) on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def targets(tiny_checkpoints):
     return {family: load_target(tiny_checkpoints[family], tokenizer=False)[0] for family in HYBRID_AND_DENSE}

@@ -10,6 +10,15 @@ from scipy.stats import chisquare
 from qfd.speculative import SamplingParams, target_probs, verify, verify_greedy, verify_sampling
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls run fastest (and steadiest on a busy box) on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def test_greedy_accepts_the_longest_matching_prefix_plus_the_bonus():
     logits = torch.full((5, 10), -5.0)
     choice = [3, 1, 4, 1, 5]

@@ -28,10 +28,14 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         seed: int = typer.Option(0, "--seed"),
         device: str = typer.Option("auto", "--device"),
         dtype: str = typer.Option("auto", "--dtype"),
+        allow_target_mismatch: bool = typer.Option(False, "--allow-target-mismatch", help="Calibrate on a target other than the one the drafter pins (warns)."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished --out."),
     ) -> None:
-        """GPTQ the drafter to INT4 (every linear, the fusion fc included), calibrated on real
-        drafter block forwards over target context features."""
+        """GPTQ INT4 of the drafter, calibrated on real drafter block forwards.
+
+        Every linear (the fusion fc included), weight-only symmetric INT4, Hessians from
+        drafter blocks at anchors of target-generated conversations with the target's
+        context features; the manifest records per-layer error against round-to-nearest."""
         from qfd.console import stdout
         from qfd.stages.draft_quantize import DraftQuantizeConfig, run, summary_table
 
@@ -39,7 +43,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
             drafter=drafter, target=target, out=out, group_size=group_size, samples=samples,
             anchors_per_sample=anchors_per_sample, data=data, max_length=max_length, format=fmt,
             backend=backend, damp=damp, sequential=sequential, seed=seed, device=device, dtype=dtype,
-            overwrite=overwrite,
+            overwrite=overwrite, allow_target_mismatch=allow_target_mismatch,
         )
         path = run(cfg)
         stdout.print(summary_table(path))
@@ -59,8 +63,10 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         dtype: str = typer.Option("auto", "--dtype"),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished --out."),
     ) -> None:
-        """Give the drafter sliding-window attention over the target context (HF/vLLM
-        `sliding_window` fields); inside the block attention stays bidirectional."""
+        """Sliding-window attention over the target context for the drafter.
+
+        Written as HF/vLLM `sliding_window` fields; inside the block attention stays
+        bidirectional. Optional short fine-tune with the window (--train-steps)."""
         from qfd.console import stdout
         from qfd.stages.draft_swa import DraftSwaConfig, run
 

@@ -1,0 +1,25 @@
+"""`qfd serve`: an OpenAI-compatible HTTP server (speculative when given a drafter)."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
+    @app.command()
+    def serve(
+        target: str = typer.Option(..., "--target", "-t", help="Target model: a directory, a hub id, or a built-in name (smollm2-135m)."),
+        drafter: str = typer.Option(None, "--drafter", "-d", help="DFlash drafter directory (trained against this target) for speculative decoding."),
+        host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (loopback by default; others need care, see --api-key)."),
+        port: int = typer.Option(8000, "--port", help="TCP port (0 = any free port)."),
+        api_key: str = typer.Option(None, "--api-key", envvar="QFD_API_KEY", help="Require 'Authorization: Bearer KEY' on every request."),
+        device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+        dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."),
+        max_len: int = typer.Option(None, "--max-len", help="Context length (prompt + completion); default: the model's max positions."),
+        model_name: str = typer.Option(None, "--model-name", help="Model id clients send as 'model' (default: the target's name)."),
+        allow_target_mismatch: bool = typer.Option(False, "--allow-target-mismatch", help="Serve a drafter pinned to another target fingerprint (loud warning)."),
+    ) -> None:
+        """Serve /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health, /metrics."""
+        from qfd.stages.serve import ServeConfig, run
+
+        run(ServeConfig(target=target, drafter=drafter, host=host, port=port, api_key=api_key, device=device, dtype=dtype, allow_target_mismatch=allow_target_mismatch, max_len=max_len, model_name=model_name))

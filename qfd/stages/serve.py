@@ -1,0 +1,106 @@
+"""`qfd serve`: load target (+ drafter), check they belong together, serve the OpenAI API.
+
+validate (target resolves, drafter matches the target's fingerprint, host/port/key sane) ->
+load -> engine -> bind -> serve until interrupted. Nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from qfd.errors import QfdError
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    target: str
+    drafter: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    allow_target_mismatch: bool = False
+    max_len: int | None = None  # context (prompt + completion); default: the model's positions
+    model_name: str | None = None  # the id clients pass as `model`; default: the target's name
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_config(cfg: ServeConfig) -> None:
+    if not 0 <= cfg.port <= 65535:
+        raise QfdError(f"--port must be in 0..65535 (got {cfg.port})")
+    if cfg.api_key is not None and not cfg.api_key.strip():
+        raise QfdError("--api-key is empty; give a non-empty key or drop the option")
+    if cfg.max_len is not None and cfg.max_len < 2:
+        raise QfdError(f"--max-len must be >= 2 (got {cfg.max_len})")
+
+
+def build(cfg: ServeConfig):
+    """Everything up to a bound server (tests and `run` share it)."""
+    from qfd.checkpoint import resolve_model
+    from qfd.console import console
+    from qfd.device import pick_device, pick_dtype
+    from qfd.engine import Engine
+    from qfd.models.loading import load_target, stop_token_ids, target_config
+    from qfd.server import make_server
+
+    check_config(cfg)
+    model_dir = resolve_model(cfg.target)
+    target_config(model_dir)
+    drafter_dir = None
+    if cfg.drafter:
+        drafter_dir = Path(cfg.drafter).expanduser()
+        if not drafter_dir.is_dir():
+            raise QfdError(f"drafter directory {drafter_dir} does not exist")
+        from qfd.models.drafter import verify_drafter_target
+
+        verify_drafter_target(drafter_dir, model_dir.path, allow_mismatch=cfg.allow_target_mismatch)
+    device = pick_device(cfg.device)
+    dtype = pick_dtype(cfg.dtype, device)
+    target, tokenizer = load_target(model_dir, device, dtype)
+    if tokenizer is None:
+        raise QfdError(f"{model_dir.path} has no tokenizer files; the server needs one (copy tokenizer.json / tokenizer_config.json into it)")
+    drafter = None
+    if drafter_dir is not None:
+        from qfd.models.drafter import load_drafter
+
+        drafter = load_drafter(drafter_dir, device, dtype)
+    max_len = cfg.max_len or target.config.max_position_embeddings
+    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer))
+    name = cfg.model_name or (cfg.target if not Path(cfg.target).expanduser().exists() else model_dir.path.name)
+    if not is_loopback(cfg.host) and not cfg.api_key:
+        console.print(f"[bold yellow]warning:[/bold yellow] serving on {cfg.host} without --api-key: anyone who can reach this port can use the model", highlight=False)
+    try:
+        server = make_server(engine, name, cfg.host, cfg.port, cfg.api_key)
+    except OSError as exc:
+        raise QfdError(f"cannot listen on {cfg.host}:{cfg.port} ({exc.strerror or exc}); choose another --port or --host") from None
+    return server
+
+
+def run(cfg: ServeConfig) -> Path:
+    """Serve until Ctrl-C; returns the target directory served."""
+    from qfd.console import console
+
+    server = build(cfg)
+    host, port = server.server_address[:2]
+    engine = server.app.engine
+    mode = f"speculative (DFlash, block {engine.block_size})" if engine.drafter is not None else "target-only"
+    console.print(f"[bold green]qfd serve[/bold green] model [bold]{server.app.model_name}[/bold], {mode}, context {engine.max_len}, on http://{host}:{port}/v1", highlight=False)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except KeyboardInterrupt:
+        console.print("[dim]shutting down[/dim]")
+    finally:
+        server.app.worker.stop()
+        server.server_close()
+    return Path(cfg.target)
