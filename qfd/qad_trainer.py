@@ -194,7 +194,7 @@ class QadTrainer:
                 s_hidden, s_head = hidden_and_head(self.student, ids)
                 kl_sum, count = chunked_forward_kl(s_hidden, t_hidden, s_head, self.teacher_head, chunk_size=self.s.kl_chunk)
             (kl_sum / n_tokens).backward()  # mean over all tokens of the step
-            kl_total += float(kl_sum)
+            kl_total += float(kl_sum.detach())
             token_total += float(count)
         torch.nn.utils.clip_grad_norm_(list(self.latents.values()), self.s.clip)
         self.optimizer.step()

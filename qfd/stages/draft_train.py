@@ -171,6 +171,8 @@ def run(cfg: DraftTrainConfig) -> Path:
 
     model = load_hf_causal_lm(target.path, device=device, dtype=dtype)
     frozen = FrozenTarget(model, drafter.cfg.target_layer_ids)
+    if cfg.stage == 1:
+        _init_final_norm(drafter, model)
     console.print(f"[dim]drafter: {num_parameters(drafter) / 1e6:.1f}M parameters, {drafter.cfg.num_hidden_layers} layers, taps {list(drafter.cfg.target_layer_ids)}, block {drafter.block_size}, mask id {drafter.mask_token_id}; {len(train_seqs)} train / {len(eval_seqs)} held-out sequences[/dim]", highlight=False)
     before = evaluate(drafter, frozen, eval_seqs, cfg.eval_anchors, cfg.seed) if eval_seqs else None
     result = train_drafter(drafter, frozen, train_seqs, train_cfg, state_dir=staging.state_dir(), log_path=staging.path / "train_log.jsonl")
@@ -189,6 +191,20 @@ def run(cfg: DraftTrainConfig) -> Path:
     return staging.commit(stage=stage_name(cfg.stage), parents=parents, config=config, metrics=metrics)
 
 
+def _init_final_norm(drafter, model) -> None:
+    """Start the drafter's final norm from the target's: the shared head was trained on hidden
+    states of that scale, so the drafter's logits start at the target's temperature instead of
+    near-uniform (an initialisation choice; the paper does not specify one)."""
+    import torch
+
+    base = getattr(model, "model", None)
+    norm = getattr(base, "norm", None) if base is not None else None
+    weight = getattr(norm, "weight", None)
+    if weight is not None and weight.shape == drafter.norm.weight.shape:
+        with torch.no_grad():
+            drafter.norm.weight.copy_(weight.float())
+
+
 class _GenCfg:
     """The generation fields of a DraftTrainConfig, shaped as generate_into expects."""
 
@@ -198,6 +214,8 @@ class _GenCfg:
 
 
 def _metrics(result, before, after, records, train_seqs, generation_seconds, n_params) -> dict:
+    from qfd.data import data_stats
+
     metrics = {}
     if after is not None:
         metrics["expected_acceptance_length"] = after["expected_acceptance_length"]

@@ -1,0 +1,141 @@
+"""Fixed-shape steps for CUDA graphs: the target's decode (T = 1) and verify (T = B) forwards
+over a static cache, and the drafter's block forward over a fixed-size context window.
+
+At batch 1 a step of a small model is launch-bound (environment.md: 44-95 ms per eager
+forward at Qwen3.5-4B shape, ~0.06 ms of bandwidth for the embedded model), so the speed
+comes from replaying each step as one CUDA graph. A graph replays kernels on fixed buffers:
+every input lives in a static tensor (token ids, positions), every shape is fixed, and nothing
+may depend on a Python int that changes between steps. The target already has that piece
+(`TargetModel.forward_at` over a `static=True` cache); the drafter's `draft()` slices its
+context by position, so here it reads a fixed window of S context slots instead
+(S = sliding window W, or the whole cache) through an index tensor, masking slots that do
+not exist yet. With `use_graphs=False` (the CPU) the same fixed-shape code runs eagerly: tests
+check on the CPU that it equals the dynamic path exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from qfd.models.target import TargetOutput
+
+
+class StaticTargetSteps:
+    """Replays `model.forward_at` for fixed token counts (e.g. 1 and 16) over `cache`.
+
+    Call it like the model: `steps(input_ids, cache, tap_layers=...)` with T in `sizes` uses
+    the captured graph; anything else (the prefill) runs the model eagerly. Outputs of a replay
+    live in static buffers that the next replay overwrites: consume them first."""
+
+    def __init__(self, model, cache, sizes: Sequence[int] = (1, 16), tap_layers: Sequence[int] = (), use_graphs: bool | None = None):
+        if not cache.static:
+            raise ValueError("StaticTargetSteps needs a cache made with static=True (fixed attention shapes)")
+        self.model, self.cache, self.tap_layers = model, cache, tuple(tap_layers)
+        device = model.model.embed_tokens.weight.device
+        self.use_graphs = (device.type == "cuda") if use_graphs is None else use_graphs
+        self.steps: dict[int, dict] = {}
+        for size in sizes:
+            self.steps[size] = self._capture(size, device)
+        cache.reset()  # warm-up and capture wrote garbage state; masked KV is harmless
+
+    def _capture(self, size: int, device) -> dict:
+        ids = torch.zeros(1, size, dtype=torch.long, device=device)
+        positions = torch.arange(size, device=device)
+        base = torch.arange(size, device=device)
+        step = {"ids": ids, "positions": positions, "base": base, "graph": None}
+        if not self.use_graphs:
+            return step
+        run = lambda: self.model.forward_at(ids, self.cache, positions, self.tap_layers)  # noqa: E731
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):  # warm-up: allocator pools, cuBLAS handles, lazy init
+                run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph), torch.inference_mode():
+            step["out"] = run()
+        step["graph"] = graph
+        # The GDN states keep Python references to tensors of their last forward (conv window,
+        # prepared inputs); a replay refreshes the tensors' contents but runs no Python, so
+        # re-point the states at the capture's tensors after every replay.
+        step["gdn"] = {i: (s.window, s.inputs, s.steps) for i, s in self.cache.gdn.items()}
+        return step
+
+    def __call__(self, input_ids: torch.Tensor, cache=None, tap_layers: Sequence[int] = (), last_only: bool = False) -> TargetOutput:
+        size = input_ids.shape[1]
+        step = self.steps.get(size)
+        if step is None or (cache is not None and cache is not self.cache) or tuple(tap_layers) != self.tap_layers or last_only:
+            return self.model(input_ids, self.cache if cache is None else cache, tap_layers=tap_layers, last_only=last_only)
+        start = self.cache.begin(size)
+        step["ids"].copy_(input_ids)
+        torch.add(step["base"], start, out=step["positions"])
+        if step["graph"] is None:
+            out = self.model.forward_at(step["ids"], self.cache, step["positions"], self.tap_layers)
+        else:
+            step["graph"].replay()
+            out = step["out"]
+            for i, (window, inputs, steps) in step["gdn"].items():
+                state = self.cache.gdn[i]
+                state.window, state.inputs, state.steps = window, inputs, steps
+        self.cache.end(size)
+        return out
+
+
+class StaticDraftStep:
+    """`drafter.draft()` with fixed shapes: the block attends to S context slots gathered from
+    the drafter cache (S = the sliding window, else the cache's whole length), padding slots
+    masked. Same tokens as `drafter.draft` (checked on the CPU)."""
+
+    def __init__(self, drafter, cache, embed: Callable, head: Callable, use_graphs: bool | None = None):
+        self.drafter, self.cache, self.embed, self.head = drafter, cache, embed, head
+        cfg = drafter.cfg
+        device = cache.k.device
+        self.window = min(cfg.sliding_window or cache.max_len, cache.max_len)
+        self.use_graphs = (device.type == "cuda") if use_graphs is None else use_graphs
+        self.first = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.start = torch.zeros((), dtype=torch.long, device=device)
+        self.slots = torch.arange(self.window, device=device)
+        self.block_offsets = torch.arange(drafter.block_size, device=device)
+        self.graph = None
+        if self.use_graphs:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):
+                    self._forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph), torch.inference_mode():
+                self.tokens = self._forward()
+
+    def _forward(self) -> torch.Tensor:
+        d, cache = self.drafter, self.cache
+        # context slot j holds position start - S + j; negative positions do not exist
+        context_positions = self.start - self.window + self.slots
+        visible = context_positions >= 0
+        index = context_positions.clamp_min(0)
+        mask = torch.cat([visible, torch.ones_like(self.block_offsets, dtype=torch.bool)]).expand(d.block_size, -1)
+        h = d._block_inputs(self.first, self.embed)
+        positions = (self.start + self.block_offsets).view(1, -1)
+        for i, layer in enumerate(d.layers):
+            k_ctx = cache.k[i].index_select(2, index)
+            v_ctx = cache.v[i].index_select(2, index)
+            h = layer(h, positions, k_ctx, v_ctx, mask)
+        hidden = d.norm(h[:, 1:])
+        weight = getattr(self.head, "weight", None)
+        return self.head(hidden.to(weight.dtype) if weight is not None else hidden).argmax(-1)
+
+    @torch.inference_mode()
+    def __call__(self, first_token: int, start_pos: int) -> torch.Tensor:
+        """Draft tokens [1, B-1] for the block at `start_pos` (cache.length >= start_pos)."""
+        if self.cache.length < start_pos:
+            raise ValueError(f"draft at {start_pos}: the cache holds only {self.cache.length} context positions")
+        self.first.fill_(int(first_token))
+        self.start.fill_(int(start_pos))
+        if self.graph is None:
+            return self._forward()
+        self.graph.replay()
+        return self.tokens
