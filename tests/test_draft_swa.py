@@ -11,7 +11,7 @@ import torch
 from qfd.errors import QfdError
 from qfd.manifest import read_manifest, sha256_file, write_manifest
 from qfd.models.drafter import DFlashConfig, DFlashDrafter
-from qfd.models.drafter_io import config_from_hf, load_drafter, save_drafter
+from qfd.models.drafter_io import config_from_hf, hf_config_dict, load_drafter, save_drafter
 from qfd.stages.draft_swa import DraftSwaConfig, run, with_window
 
 HIDDEN, TARGET_LAYERS, VOCAB = 64, 4, 512
@@ -62,7 +62,7 @@ def embed_head():
 
 
 def test_with_window_writes_hf_and_vllm_fields():
-    cfg = json.loads(json.dumps(__import__("qfd.models.drafter_io", fromlist=["x"]).hf_config_dict(tiny_drafter_config(), torch.float32)))
+    cfg = json.loads(json.dumps(hf_config_dict(tiny_drafter_config(), torch.float32)))
     windowed = with_window(cfg, 1024)
     assert windowed["sliding_window"] == 1024 and windowed["use_sliding_window"] is True
     assert windowed["layer_types"] == ["sliding_attention"] * 2

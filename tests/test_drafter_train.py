@@ -31,10 +31,13 @@ def _data_dir(path, target_dir, records):
 
 
 @pytest.fixture(scope="module")
-def tiny_setup(tiny_checkpoints):
+def tiny_setup(tmp_path_factory):
+    """A tiny random Llama whose weights are large enough (init std 0.1) that its greedy text
+    has structure a drafter can learn within seconds (std 0.02 heads give near-uniform logits)."""
     from qfd.models.hf import load_hf_causal_lm
+    from tests.tiny import make_tiny_checkpoint
 
-    target_dir = tiny_checkpoints["llama"]
+    target_dir = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("drafter_target") / "llama", initializer_range=0.1)
     model = load_hf_causal_lm(target_dir)
     return target_dir, model, _tiny_records(model)
 
@@ -51,11 +54,11 @@ def test_trained_drafter_beats_untrained_on_heldout_acceptance(tiny_setup):
     train_seqs, held_seqs = prepare_sequences(train, 512), prepare_sequences(held, 512)
     target = FrozenTarget(model, cfg.target_layer_ids)
     before = evaluate(drafter, target, held_seqs)
-    result = train_drafter(drafter, target, train_seqs, TrainConfig(steps=100, grad_accum=2, lr=1e-2, max_anchors=24), progress=False)
+    result = train_drafter(drafter, target, train_seqs, TrainConfig(steps=60, grad_accum=2, lr=3e-3, max_anchors=24), progress=False)
     after = evaluate(drafter, target, held_seqs)
-    assert result["steps"] == 100
+    assert result["steps"] == 60
     assert after["loss"] < before["loss"]
-    assert after["expected_acceptance_length"] > before["expected_acceptance_length"] + 0.15, (before, after)
+    assert after["expected_acceptance_length"] > before["expected_acceptance_length"] + 0.25, (before, after)
 
 
 def test_training_resumes_from_its_state(tmp_path, tiny_setup):

@@ -234,3 +234,27 @@ def test_metrics_are_prometheus_text(served, client):
     generated = next(float(l.split()[-1]) for l in text.splitlines() if l.startswith("qfd_generation_tokens_total"))
     assert generated >= 4
     assert 'qfd_requests_total{endpoint="/v1/completions",code="400"}' in text or "code=\"200\"" in text
+
+
+def test_serve_refuses_a_drafter_pinned_to_another_target(tiny_chat_checkpoints, tmp_path):
+    import torch
+
+    from qfd.checkpoint import read_json
+    from qfd.errors import QfdError
+    from qfd.manifest import write_manifest
+    from qfd.models.drafter import DFlashDrafter, config_for_target, save_drafter
+    from qfd.stages.serve import ServeConfig, build
+
+    target, other = tiny_chat_checkpoints["llama"], tiny_chat_checkpoints["qwen3"]
+    drafter_dir = tmp_path / "drafter"
+    save_drafter(DFlashDrafter(config_for_target(read_json(target / "config.json"), num_layers=1, block_size=4, intermediate_size=64)), drafter_dir, torch.float32)
+    write_manifest(drafter_dir, stage="test", parents={"target": other})  # pinned to ANOTHER target
+    with pytest.raises(QfdError, match="trained against target"):
+        build(ServeConfig(target=str(target), drafter=str(drafter_dir), port=0, device="cpu"))
+    with pytest.warns(UserWarning, match="trained against target"):
+        server = build(ServeConfig(target=str(target), drafter=str(drafter_dir), port=0, device="cpu", allow_target_mismatch=True, max_len=64))
+    try:
+        assert server.app.engine.drafter is not None and server.server_address[0] == "127.0.0.1"
+    finally:
+        server.app.worker.stop()
+        server.server_close()

@@ -18,6 +18,8 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         seed: int = typer.Option(None, "--seed", help="Random seed for sampling."),
         device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
         dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."),
+        drafter: str = typer.Option(None, "--drafter", "-d", help="DFlash drafter directory: speculative decoding (same output distribution, faster)."),
+        allow_target_mismatch: bool = typer.Option(False, "--allow-target-mismatch", help="Use a drafter pinned to another target fingerprint (loud warning)."),
     ) -> None:
         """Generate with the runtime target model, streaming tokens to stdout; stats go to stderr."""
         import sys
@@ -29,7 +31,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
 
         hf_logging.set_verbosity_error()  # keep the terminal to the answer and our stats line
 
-        cfg = GenerateConfig(target=target, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, device=device, dtype=dtype)
+        cfg = GenerateConfig(target=target, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, device=device, dtype=dtype, drafter=drafter, allow_target_mismatch=allow_target_mismatch)
         result = run(cfg)
         sys.stdout.write("\n")  # end the streamed line before the stats (stderr)
         sys.stdout.flush()
@@ -39,3 +41,6 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
             f"time to first token {result.ttft_s * 1000:.0f} ms, prompt {result.prompt_tokens} tokens[/dim]",
             highlight=False,
         )
+        if result.tau is not None:
+            rates = " ".join(f"{r:.2f}" for r in (result.accept_per_position or []))
+            console.print(f"[dim]speculative: tau {result.tau:.2f} tokens/step, acceptance per draft position {rates}[/dim]", highlight=False)

@@ -19,12 +19,15 @@ from __future__ import annotations
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from qfd.checkpoint import CONFIG_NAME, TOKENIZER_FILES, Staging, resolve_model
 from qfd.errors import QfdError
 from qfd.manifest import read_manifest
 from qfd.stages.draft_swa import drafter_dir, prior_transforms
+
+if TYPE_CHECKING:
+    import torch
 
 STAGE = "draft-quantize"
 FORMATS = ("compressed-tensors", "gptq")
@@ -159,7 +162,7 @@ def attach_taps(convs: Sequence[Conversation], target_model, layer_ids: Sequence
             bar.update(task, advance=1)
 
 
-def sample_anchors(conv: Conversation, count: int, generator) -> "torch.Tensor":  # noqa: F821
+def sample_anchors(conv: Conversation, count: int, generator) -> "torch.Tensor":
     """Up to `count` distinct anchors in the response region [response_start, T - 2] (each
     block's slot 1 needs a real label), sorted. [N] long."""
     import torch

@@ -31,6 +31,8 @@ class GenerateConfig:
     seed: int | None = None
     device: str = "auto"
     dtype: str = "auto"
+    drafter: str | None = None  # DFlash drafter directory: speculative decoding through qfd.engine
+    allow_target_mismatch: bool = False
 
 
 @dataclass
@@ -41,6 +43,8 @@ class DecodeResult:
     total_s: float
     stopped: bool  # ended at a stop token (not at max_new_tokens)
     text: str = ""
+    tau: float | None = None  # speculative only: committed tokens per verify step
+    accept_per_position: list[float] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -176,7 +180,14 @@ def run(cfg: GenerateConfig, write: Callable[[str], None] | None = None) -> Deco
     target_config(model_dir)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
+    drafter = None
+    if cfg.drafter:  # checked against the target before the long load
+        from qfd.models.drafter import load_drafter, verify_drafter_target
+
+        verify_drafter_target(cfg.drafter, model_dir.path, allow_mismatch=cfg.allow_target_mismatch)
     model, tokenizer = load_target(model_dir, device, dtype)
+    if cfg.drafter:
+        drafter = load_drafter(cfg.drafter, device, dtype)
     if tokenizer is None:
         raise QfdError(f"{model_dir.path} has no tokenizer files; copy the tokenizer (tokenizer.json, tokenizer_config.json) into it")
     prompt_ids = encode_prompt(tokenizer, cfg.prompt, cfg.chat)
@@ -190,20 +201,21 @@ def run(cfg: GenerateConfig, write: Callable[[str], None] | None = None) -> Deco
             sys.stdout.flush()
 
     stop_ids = stop_token_ids(model_dir, tokenizer)
-    if importlib.util.find_spec("qfd.engine") is not None:
-        return _run_engine(model, tokenizer, prompt_ids, cfg, stop_ids, write)
+    if drafter is not None or importlib.util.find_spec("qfd.engine") is not None:
+        return _run_engine(model, tokenizer, prompt_ids, cfg, stop_ids, write, drafter)
     stream = TextStream(tokenizer, write)
     result = decode(model, prompt_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=stop_ids, seed=cfg.seed, on_tokens=stream)
     result.text = stream.text
     return result
 
 
-def _run_engine(model, tokenizer, prompt_ids, cfg: GenerateConfig, stop_ids, write) -> DecodeResult:
+def _run_engine(model, tokenizer, prompt_ids, cfg: GenerateConfig, stop_ids, write, drafter=None) -> DecodeResult:
     """The same generation through qfd.engine (where speculative decoding lives)."""
     from qfd.engine import Engine, GenerationConfig
 
-    engine = Engine(model, tokenizer, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids)
+    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
     result = engine.generate(prompt_ids, gen, on_tokens=lambda ids, text: write(text) if text else None)
     stats = result.stats
-    return DecodeResult(tokens=list(result.tokens), prompt_tokens=len(prompt_ids), ttft_s=stats.ttft_s, total_s=stats.total_s, stopped=stats.finish_reason == "stop", text=result.text or "")
+    return DecodeResult(tokens=list(result.tokens), prompt_tokens=len(prompt_ids), ttft_s=stats.ttft_s, total_s=stats.total_s, stopped=stats.finish_reason == "stop", text=result.text or "",
+                        tau=stats.tau if drafter is not None else None, accept_per_position=stats.accept_per_position if drafter is not None else None)

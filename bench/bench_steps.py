@@ -1,0 +1,220 @@
+"""Step costs at a target's shape (default Qwen3.5-4B, random weights) and the projected
+speedup of INT4 + DFlash speculative decoding over BF16 target-only decoding.
+
+Random weights give exact step COSTS (kernels do not care what the numbers are), not
+acceptance: the speedup printed is a PROJECTION at a given tau (default the paper's 5.03),
+
+    T_base(in, out) = prefill_bf16(in) + out * decode_bf16
+    T_spec(in, out) = prefill_int4(in) + ceil(out / tau) * (draft + verify_int4 + rollback + append)
+    speedup = T_base / T_spec
+
+with every term measured here in one run (CUDA graphs for decode / verify / draft on CUDA).
+
+    python bench/bench_steps.py --device cuda [--shape qwen3.5-4b|tiny] [--tau 5.03] [--out steps.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
+from qfd.models.graphs import StaticDraftStep, StaticTargetSteps  # noqa: E402
+from qfd.models.target import TargetConfig, TargetModel  # noqa: E402
+
+QWEN35_4B = {
+    "architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9216,
+    "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.25, "rope_theta": 10000000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "max_position_embeddings": 32768,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 8,
+}
+TINY = {**QWEN35_4B, "vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+SETTINGS = {"short": (64, 128), "medium": (2048, 256), "long": (8192, 256)}
+
+
+def timer(device):
+    """median milliseconds of fn() over `iters` runs after `warmup`."""
+    def measure(fn, iters=50, warmup=5):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    return measure
+
+
+def build_target(shape: dict, device, dtype, int4: bool, group_size: int) -> TargetModel:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = TargetModel(TargetConfig.from_hf(shape, "qwen3_5")).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.reset_rope(device)
+    if int4:
+        from qfd.quant.grid import rtn_quantize
+        from qfd.quant.int4_linear import swap_int4_linears
+
+        qweights = {}
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head" and module.in_features % group_size == 0:
+                qweights[name] = rtn_quantize(module.weight.detach().float(), group_size, scale_dtype=dtype)
+        swap_int4_linears(model, qweights)
+    return model.eval()
+
+
+def target_costs(model, max_len, block, measure, device, taps) -> dict:
+    cache = model.new_cache(max_len, static=True, max_verify=block)
+    steps = StaticTargetSteps(model, cache, sizes=(1, block), tap_layers=taps)
+    out = {}
+    with torch.inference_mode():
+        for name, (n_in, _) in SETTINGS.items():
+            if n_in + 300 > max_len:
+                continue
+            prompt = torch.randint(0, model.config.vocab_size, (1, n_in), device=device)
+
+            def prefill():
+                cache.reset()
+                model(prompt, cache, tap_layers=taps, last_only=True)
+
+            out[f"prefill_{name}_ms"] = measure(prefill, iters=5, warmup=1)
+            one = torch.randint(0, model.config.vocab_size, (1, 1), device=device)
+            blk = torch.randint(0, model.config.vocab_size, (1, block), device=device)
+
+            prefill()
+            L = cache.length
+
+            def decode():  # advances the cache by one token per call (room: 300 positions)
+                steps(one, cache, tap_layers=taps)
+
+            def verify():  # verify a block, then reject it all (restores the block-start GDN state)
+                steps(blk, cache, tap_layers=taps)
+                cache.rollback(L)
+
+            def verify_rollback():  # as verify, plus a partial-accept rollback first (per-position GDN restore)
+                steps(blk, cache, tap_layers=taps)
+                cache.rollback(L + block // 3)
+                cache.rollback(L)
+
+            out[f"verify_{name}_ms"] = measure(verify)
+            out[f"verify_rollback_{name}_ms"] = measure(verify_rollback)
+            out[f"rollback_{name}_ms"] = max(0.0, out[f"verify_rollback_{name}_ms"] - out[f"verify_{name}_ms"])
+            out[f"decode_{name}_ms"] = measure(decode)
+    return out
+
+
+def drafter_costs(shape, embed, head, device, dtype, block, measure) -> dict:
+    out = {}
+    for window in (None, 1024):
+        cfg = config_for_target(shape, num_layers=5, block_size=block, sliding_window=window, mask_token_id=shape["vocab_size"] - 1)
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
+        for context in (1024, 8192):
+            cache = drafter.new_cache(context + 2 * block)
+            taps = torch.randn(1, context, len(cfg.target_layer_ids) * cfg.target_hidden_size, device=device, dtype=dtype)
+            with torch.inference_mode():
+                drafter.append_context(cache, taps, 0)
+            step = StaticDraftStep(drafter, cache, embed=embed, head=head)
+            label = f"w{window or 'full'}_ctx{context}"
+            out[f"draft_{label}_ms"] = measure(lambda: step(5, context))
+            new = taps[:, :block]
+
+            def append():
+                with torch.inference_mode():
+                    drafter.append_context(cache, new, context - block)
+
+            out[f"append_{label}_ms"] = measure(append)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shape", choices=("qwen3.5-4b", "tiny"), default="qwen3.5-4b")
+    p.add_argument("--tau", type=float, default=5.03, help="acceptance length for the projection (paper: 5.03)")
+    p.add_argument("--block", type=int, default=16)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--out", type=Path, default=Path("bench_steps.json"))
+    args = p.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = QWEN35_4B if args.shape == "qwen3.5-4b" else TINY
+    measure = timer(device)
+    max_len = 8192 + 256 + 2 * args.block if args.shape == "qwen3.5-4b" else 2048 + 256 + 2 * args.block
+    taps = config_for_target(shape, mask_token_id=0).target_layer_ids
+
+    results = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau}
+    bf16 = build_target(shape, device, dtype, int4=False, group_size=args.group_size)
+    results["bf16"] = target_costs(bf16, max_len, args.block, measure, device, ())
+    del bf16
+    torch.cuda.empty_cache() if device.type == "cuda" else None
+    int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size)
+    results["int4"] = target_costs(int4, max_len, args.block, measure, device, taps)
+    results["drafter"] = drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure)
+    if device.type == "cuda":
+        results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+
+    rows = []
+    for name, (n_in, n_out) in SETTINGS.items():
+        if f"decode_{name}_ms" not in results["bf16"]:
+            continue
+        b, q, d = results["bf16"], results["int4"], results["drafter"]
+        window = "w1024" if n_in > 1024 else "wfull"
+        ctx = 8192 if n_in > 2048 else 1024
+        draft = d.get(f"draft_{window}_ctx{ctx}_ms", d[f"draft_wfull_ctx{ctx}_ms"])
+        append = d.get(f"append_{window}_ctx{ctx}_ms", d[f"append_wfull_ctx{ctx}_ms"])
+        spec_step = draft + q[f"verify_rollback_{name}_ms"] + append
+        base = b[f"prefill_{name}_ms"] + n_out * b[f"decode_{name}_ms"]
+        int4_only = q[f"prefill_{name}_ms"] + n_out * q[f"decode_{name}_ms"]
+        spec = q[f"prefill_{name}_ms"] + math.ceil(n_out / args.tau) * spec_step
+        rows.append({"setting": name, "bf16_decode_ms": b[f"decode_{name}_ms"], "int4_decode_ms": q[f"decode_{name}_ms"],
+                     "spec_step_ms": spec_step, "step_over_int4_decode": spec_step / q[f"decode_{name}_ms"],
+                     "bf16_ms": base, "int4_ms": int4_only, "spec_ms": spec, "speedup_int4": base / int4_only, "speedup_spec": base / spec})
+    results["projection"] = rows
+    if rows:
+        results["mean_speedup_spec"] = sum(r["speedup_spec"] for r in rows) / len(rows)
+    args.out.write_text(json.dumps(results, indent=2))
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"step costs ({args.shape}, {results['device']}) and PROJECTED speedup at tau={args.tau}")
+    for col in ("setting", "bf16 decode ms", "int4 decode ms", "spec step ms", "step/int4", "bf16 total ms", "int4 total ms", "spec total ms", "x int4", "x spec"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r["setting"], *(f"{r[k]:.3f}" for k in ("bf16_decode_ms", "int4_decode_ms", "spec_step_ms", "step_over_int4_decode")),
+                      *(f"{r[k]:.1f}" for k in ("bf16_ms", "int4_ms", "spec_ms")), f"{r['speedup_int4']:.2f}", f"{r['speedup_spec']:.2f}")
+    console = Console()
+    console.print(table)
+    console.print("T_spec = prefill_int4 + ceil(out/tau) * (draft + verify_int4 + rollback + append); a projection from measured step costs, not an end-to-end run")
+    console.print({k: round(v, 4) for k, v in {**results["drafter"], **{f"bf16_{k}": v for k, v in results["bf16"].items()}, **{f"int4_{k}": v for k, v in results["int4"].items()}}.items()})
+    if rows:
+        console.print(f"mean projected speedup: {results['mean_speedup_spec']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
