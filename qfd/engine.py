@@ -157,7 +157,7 @@ class Engine:
     """One target (+ optional DFlash drafter) with preallocated caches; `generate` serves one
     request at a time (a lock serialises callers)."""
 
-    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False):
+    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool = False):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.max_len = int(max_len or target.config.max_position_embeddings)
         self.block_size = drafter.block_size if drafter is not None else 1
@@ -167,6 +167,18 @@ class Engine:
         # + block_size: the last verify of a budget may run past max_len (its tail is discarded)
         self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.block_size), static=static_cache)
         self.draft_cache = drafter.new_cache(self.max_len + self.block_size) if drafter is not None else None
+        # The step functions: eager by default; with cuda_graphs the fixed-size verify (and
+        # decode) forwards and the drafter's block forward replay captured CUDA graphs.
+        self.forward = target
+        self.draft_step = None
+        if cuda_graphs:
+            from qfd.models.graphs import StaticDraftStep, StaticTargetSteps
+
+            if not self.cache.static:
+                self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.block_size), static=True)
+            self.forward = StaticTargetSteps(target, self.cache, sizes=sorted({1, self.block_size}), tap_layers=self.tap_layers)
+            if drafter is not None:
+                self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=target.head)
         self._lock = threading.Lock()
         self.on_step: Callable[[dict], None] | None = None  # test hook: called after every rollback
 
@@ -238,7 +250,7 @@ class _Run:
         if e.draft_cache is not None:
             e.draft_cache.rollback(0)
         ids = torch.tensor([self.prompt], device=e.device)
-        out = e.target(ids, e.cache, tap_layers=e.tap_layers, last_only=True)
+        out = e.forward(ids, e.cache, tap_layers=e.tap_layers, last_only=True)
         first = int(sample(target_probs(out.logits[0, -1], self.params), self.generator)) if not self.params.greedy else int(out.logits[0, -1].argmax())
         if e.drafter is not None:
             e.drafter.append_context(e.draft_cache, out.taps, 0)
@@ -264,9 +276,12 @@ class _Run:
         block = torch.tensor([[last]], device=e.device)
         drafts = block[0, 1:]
         if e.drafter is not None:
-            drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.target.head)[0]
+            if e.draft_step is not None:
+                drafts = e.draft_step(last, L)[0]
+            else:
+                drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.target.head)[0]
             block = torch.cat([block, drafts.view(1, -1).to(block.dtype)], dim=1)
-        out = e.target(block, e.cache, tap_layers=e.tap_layers)
+        out = e.forward(block, e.cache, tap_layers=e.tap_layers)
         verdict = verify(drafts, out.logits[0], self.params, None, self.generator)
         n = verdict.accepted
         e.cache.rollback(L + n + 1)

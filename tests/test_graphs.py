@@ -58,3 +58,24 @@ def test_static_draft_step_matches_draft(tiny_checkpoints, window):
                 drafter.append_context(cache, taps[:, cache.length : start], cache.length)
             expected = drafter.draft(cache, 7, start, embed=model.embed, head=model.head)
             assert torch.equal(step(7, start), expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_engine_fixed_shape_path_is_token_identical(tiny_checkpoints, family):
+    """Engine(cuda_graphs=True) - on the CPU the same fixed-shape steps, run eagerly - emits
+    exactly the tokens of the dynamic engine, with a drafter (block 4) and target-only."""
+    from qfd.checkpoint import read_json
+    from qfd.engine import Engine, GenerationConfig
+    from qfd.models.drafter import DFlashDrafter, config_for_target
+    from qfd.models.loading import load_target
+
+    model, _ = load_target(tiny_checkpoints[family], tokenizer=False)
+    torch.manual_seed(0)
+    cfg = config_for_target(read_json(tiny_checkpoints[family] / "config.json"), num_layers=1, taps=(1, 2), block_size=4, mask_token_id=511)
+    drafter = DFlashDrafter(cfg).eval()
+    prompt = torch.randint(3, 500, (12,)).tolist()
+    config = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+    for d in (drafter, None):
+        dynamic = Engine(model, drafter=d, max_len=64).generate(prompt, config)
+        fixed = Engine(model, drafter=d, max_len=64, cuda_graphs=True).generate(prompt, config)
+        assert fixed.tokens == dynamic.tokens

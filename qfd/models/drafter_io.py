@@ -141,6 +141,11 @@ def load_drafter(directory: Path, device="cpu", dtype: torch.dtype = torch.float
     if sliding_window != "config":
         cfg = cfg.with_(sliding_window=sliding_window)
     drafter = DFlashDrafter(cfg)
+    if model_dir.is_quantized:
+        # an INT4 drafter (`qfd draft quantize`): Int4Linear layers run the codes directly
+        from qfd.quant.int4_load import load_int4_module
+
+        return load_int4_module(drafter, directory, device=device, dtype=dtype)
     state = {}
     for weight in model_dir.weight_files:
         state.update(load_file(str(weight)))

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from qfd.checkpoint import CONFIG_NAME, TOKENIZER_FILES, Staging, resolve_model
+from qfd.checkpoint import TOKENIZER_FILES, Staging, resolve_model
 from qfd.errors import QfdError
 from qfd.manifest import read_manifest
 from qfd.stages.draft_swa import drafter_dir, prior_transforms
@@ -98,21 +98,12 @@ def _pins_no_target(directory: Path) -> bool:
 
 
 def load_drafter_any(directory: Path, device="cpu", dtype=None):
-    """A DFlashDrafter from a BF16 or an INT4 (quantization_config) drafter directory."""
+    """A DFlashDrafter from a BF16 or an INT4 drafter directory (load_drafter handles both)."""
     import torch
 
-    from qfd.checkpoint import inspect_model_dir
-    from qfd.models.drafter import DFlashDrafter
-    from qfd.models.drafter_io import config_from_hf, load_drafter
+    from qfd.models.drafter_io import load_drafter
 
-    dtype = dtype or torch.float32
-    model = inspect_model_dir(Path(directory))
-    if not model.is_quantized:
-        return load_drafter(model.path, device=device, dtype=dtype)
-    from qfd.quant.int4_load import load_int4_module
-
-    cfg = config_from_hf(model.config, model.path / CONFIG_NAME)
-    return load_int4_module(DFlashDrafter(cfg), model.path, device=device, dtype=dtype)
+    return load_drafter(Path(directory), device=device, dtype=dtype or torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------

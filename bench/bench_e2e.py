@@ -1,0 +1,133 @@
+"""End to end at T=0 on held-out GSM8K test prompts: qfd target-only vs qfd speculative
+(DFlash drafter), eager and with CUDA graphs, plus transformers' generate (dynamic cache, and
+static cache + torch.compile on CUDA) as the outside anchor - side by side in one run.
+
+    python bench/bench_e2e.py --target DIR --drafter DIR [--prompts test.jsonl] [--num 8]
+        [--max-new-tokens 256] [--device cuda] [--hf-compile] [--out e2e.json]
+
+Prints a table (tokens/s, speedup over qfd's BF16 target-only eager and graphed paths, tau)
+and how many speculative outputs are identical to target-only greedy (bf16 kernels may flip
+near-tied tokens between a 1-token and a 16-token forward; every emitted token is the target's
+own choice in its verify pass by construction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def prompts_from(path: Path, num: int) -> list[str]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row.get("question") or row.get("prompt") for row in rows[:num]]
+
+
+def run_engine(engine, prompt_ids, max_new) -> dict:
+    from qfd.engine import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new)
+    engine.generate(prompt_ids[0], GenerationConfig(max_new_tokens=16))  # warm-up (and graph capture effects)
+    outputs, tokens, seconds, taus = [], 0, 0.0, []
+    for ids in prompt_ids:
+        result = engine.generate(ids, config)
+        outputs.append(result.tokens)
+        tokens += len(result.tokens)
+        seconds += result.stats.total_s
+        if result.stats.steps:
+            taus.append(result.stats.tau)
+    return {"outputs": outputs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": sum(taus) / len(taus) if taus else None}
+
+
+def run_hf(model_dir, prompt_ids, max_new, device, dtype, compile_: bool) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    kwargs = dict(max_new_tokens=max_new, do_sample=False)
+    if compile_:
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        for _ in range(2 if compile_ else 1):  # warm-up / compile
+            model.generate(torch.tensor([prompt_ids[0]], device=device), **{**kwargs, "max_new_tokens": 16})
+        tokens, seconds = 0, 0.0
+        for ids in prompt_ids:
+            sync()
+            start = time.perf_counter()
+            out = model.generate(torch.tensor([ids], device=device), **kwargs)
+            sync()
+            seconds += time.perf_counter() - start
+            tokens += out.shape[1] - len(ids)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--prompts", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/gsm8k/test.jsonl")
+    p.add_argument("--num", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--hf-compile", action="store_true", help="also transformers' static cache + torch.compile")
+    p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
+    args = p.parse_args()
+
+    from qfd.checkpoint import resolve_model
+    from qfd.engine import Engine
+    from qfd.models.drafter_io import load_drafter
+    from qfd.models.loading import load_target
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target_dir = resolve_model(args.target).path
+    target, tokenizer = load_target(target_dir, device, dtype)
+    drafter = load_drafter(Path(args.drafter), device=device, dtype=dtype)
+    max_len = 1024
+    probe = Engine(target, tokenizer, max_len=max_len)
+    prompt_ids = [probe.encode(text, chat=True) for text in prompts_from(args.prompts, args.num)]
+    del probe
+
+    rows = {}
+    graphs = device.type == "cuda"
+    rows["qfd target-only (eager)"] = run_engine(Engine(target, tokenizer, max_len=max_len), prompt_ids, args.max_new_tokens)
+    if graphs:
+        rows["qfd target-only (CUDA graphs)"] = run_engine(Engine(target, tokenizer, max_len=max_len, cuda_graphs=True), prompt_ids, args.max_new_tokens)
+    rows["qfd + DFlash (eager)"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len), prompt_ids, args.max_new_tokens)
+    if graphs:
+        rows["qfd + DFlash (CUDA graphs)"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=True), prompt_ids, args.max_new_tokens)
+    rows["transformers generate (dynamic)"] = run_hf(target_dir, prompt_ids, args.max_new_tokens, device, dtype, compile_=False)
+    if args.hf_compile and device.type == "cuda":
+        try:
+            rows["transformers generate (static+compile)"] = run_hf(target_dir, prompt_ids, args.max_new_tokens, device, dtype, compile_=True)
+        except Exception as exc:  # report, do not lose the other rows
+            print(f"transformers static+compile failed: {type(exc).__name__}: {exc}")
+
+    base_key = "qfd target-only (CUDA graphs)" if graphs else "qfd target-only (eager)"
+    reference = rows["qfd target-only (eager)"]["outputs"]
+    for name, row in rows.items():
+        row["speedup_vs_qfd_target_only"] = row["tokens_per_s"] / rows[base_key]["tokens_per_s"]
+        if "outputs" in row:
+            row["identical_to_target_only"] = sum(a == b for a, b in zip(row.pop("outputs"), reference))
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"end to end, {args.num} GSM8K test prompts, {args.max_new_tokens} new tokens, T=0, {torch.cuda.get_device_name() if graphs else 'cpu'}")
+    for col in ("system", "tokens/s", f"x {base_key}", "tau", "identical outputs"):
+        table.add_column(col, justify="right")
+    for name, row in rows.items():
+        table.add_row(name, f"{row['tokens_per_s']:.1f}", f"{row['speedup_vs_qfd_target_only']:.2f}", "" if row["tau"] is None else f"{row['tau']:.2f}", str(row.get("identical_to_target_only", "")))
+    Console().print(table)
+    args.out.write_text(json.dumps({"device": str(device), "num": args.num, "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
