@@ -103,6 +103,7 @@ def main() -> None:
     rows["qfd + DFlash (eager)"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len), prompt_ids, args.max_new_tokens)
     if graphs:
         rows["qfd + DFlash (CUDA graphs)"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=True), prompt_ids, args.max_new_tokens)
+    args.out.write_text(json.dumps({"partial": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in rows.items()}}, indent=2))
     rows["transformers generate (dynamic)"] = run_hf(target_dir, prompt_ids, args.max_new_tokens, device, dtype, compile_=False)
     if args.hf_compile and device.type == "cuda":
         try:

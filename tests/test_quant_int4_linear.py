@@ -11,7 +11,7 @@ from qfd.quant.int4_linear import KERNEL_MAX_ROWS, Int4Linear, swap_int4_linears
 
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, KERNEL_MAX_ROWS + 5])
+@pytest.mark.parametrize("rows", [1, KERNEL_MAX_ROWS["cpu_int4"] + 5])
 def test_int4_linear_equals_dequantized_matmul(symmetric, group_size, rows):
     torch.manual_seed(group_size)
     qw = rtn_quantize(torch.randn(96, 256), group_size, symmetric=symmetric)

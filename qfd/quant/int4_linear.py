@@ -19,7 +19,10 @@ from torch import nn
 from qfd.quant.grid import dequantize
 from qfd.quant.types import QuantizedWeight
 
-KERNEL_MAX_ROWS = 8
+# Rows up to which the INT4 kernel beats dequantize-then-matmul: on CPU measured at 8 (see the
+# module docstring); on CUDA a 16-row verify block through tinygemm (~30 us at 9216x2560)
+# beats re-dequantizing the weight every call (H200, docs/benchmarks.md).
+KERNEL_MAX_ROWS = {"cpu_int4": 8, "cuda_int4": 16}
 
 
 def tinygemm_operands(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +101,7 @@ class Int4Linear(nn.Module):
             return nn.functional.linear(x, self.weight_dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
-        if x2.shape[0] > KERNEL_MAX_ROWS:
+        if x2.shape[0] > KERNEL_MAX_ROWS[self.mode]:
             w = self.dequantized_weight(self.dtype)
             return nn.functional.linear(x2, w, self.bias).reshape(*shape[:-1], self.out_features).to(x.dtype)
         if self.mode == "cpu_int4":
