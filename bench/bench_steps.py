@@ -164,19 +164,29 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = QWEN35_4B if args.shape == "qwen3.5-4b" else TINY
     measure = timer(device)
-    max_len = 8192 + 256 + 2 * args.block if args.shape == "qwen3.5-4b" else 2048 + 256 + 2 * args.block
+    # Room for the longest prompt plus the 300 positions the decode/verify timings advance
+    # through (target_costs skips settings that do not fit: the tiny shape stops at medium).
+    longest = 8192 if args.shape == "qwen3.5-4b" else 2048
+    max_len = longest + 300 + 2 * args.block
     taps = config_for_target(shape, mask_token_id=0).target_layer_ids
 
     results = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau}
+
+    def save():  # after every section: a run cut short by its time limit still leaves its figures
+        args.out.write_text(json.dumps(results, indent=2))
+
     bf16 = build_target(shape, device, dtype, int4=False, group_size=args.group_size)
     results["bf16"] = target_costs(bf16, max_len, args.block, measure, device, ())
+    save()
     del bf16
     torch.cuda.empty_cache() if device.type == "cuda" else None
     int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size)
     results["int4"] = target_costs(int4, max_len, args.block, measure, device, taps)
+    save()
     results["drafter"] = drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure)
     if device.type == "cuda":
         results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    save()
 
     rows = []
     for name, (n_in, n_out) in SETTINGS.items():
@@ -197,7 +207,7 @@ def main() -> None:
     results["projection"] = rows
     if rows:
         results["mean_speedup_spec"] = sum(r["speedup_spec"] for r in rows) / len(rows)
-    args.out.write_text(json.dumps(results, indent=2))
+    save()
 
     from rich.console import Console
     from rich.table import Table

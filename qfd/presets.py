@@ -3,6 +3,9 @@
 demo: the embedded SmolLM2-135M on a 2-core CPU in about 15 minutes - small data, short
 training, time-capped drafter training, scaled-down latency lengths. Numbers it prints are
 real measurements of that small run, not of the paper's setting.
+quick: every stage on the embedded model with the least work that still exercises it (about
+3 minutes on 2 CPU cores): a check that the pipeline runs on a box, and CI's end-to-end test.
+Its numbers say nothing about quality or speed.
 qwen3.5-4b: the paper's hyperparameters (method.md) for a GPU box.
 """
 
@@ -25,6 +28,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "swa": ["--window", "1024"],
         "latency": ["--scale", "0.05", "--warmup", "1", "--runs", "3"],
         "quality": ["ifeval", "--limit", "16", "--max-gen-toks", "256"],
+    },
+    "quick": {
+        "model": "smollm2-135m",
+        "quantize": ["--method", "rtn"],
+        "qad": ["--generate-samples", "8", "--generate-tokens", "40", "--steps", "4", "--seq-len", "64", "--batch-size", "2", "--eval-every", "2", "--eval-blocks", "2", "--lr", "1e-5"],
+        "data": ["--num", "12", "--max-new-tokens", "32", "--batch-size", "12"],
+        "draft1": ["--layers", "1", "--steps", "6", "--grad-accum", "1", "--max-anchors", "8", "--max-eval", "2"],
+        "draft2": ["--steps", "3", "--grad-accum", "1", "--max-anchors", "8", "--max-eval", "2"],
+        "draft_quantize": ["--samples", "4", "--anchors-per-sample", "4"],
+        "swa": ["--window", "1024"],
+        "latency": ["--scale", "0.02", "--warmup", "0", "--runs", "1"],
+        "quality": ["ifeval", "--limit", "2", "--max-gen-toks", "16"],
     },
     "qwen3.5-4b": {
         "model": "Qwen/Qwen3.5-4B",

@@ -137,8 +137,10 @@ class QadTrainer:
         self.train_blocks, self.evaluator, self.s, self.device = train_blocks, evaluator, settings, device
         self.state_path = Path(state_dir) / "train_state.pt"
         self.optimizer = torch.optim.AdamW(list(latents.values()), lr=settings.lr, weight_decay=0.0)
-        warmup = max(1, round(settings.warmup_fraction * settings.steps))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: warmup_cosine(step, settings.steps, warmup))
+        # The schedule is fixed at construction: a run stopped early (run(until=...)) and resumed
+        # follows the same learning rates as an uninterrupted one.
+        total, warmup = settings.steps, max(1, round(settings.warmup_fraction * settings.steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: warmup_cosine(step, total, warmup))
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.teacher_head = teacher.get_output_embeddings()
@@ -202,8 +204,10 @@ class QadTrainer:
         self.step += 1
         return kl_total / token_total
 
-    def run(self, on_step: Callable[[int, float, dict | None], None] | None = None) -> list[dict[str, Any]]:
-        while self.step < self.s.steps:
+    def run(self, on_step: Callable[[int, float, dict | None], None] | None = None, until: int | None = None) -> list[dict[str, Any]]:
+        """Train to `settings.steps` (or stop after step `until`, as an interrupted run would)."""
+        last = self.s.steps if until is None else min(until, self.s.steps)
+        while self.step < last:
             kl = self.train_step()
             record: dict[str, Any] = {"step": self.step, "train_kl": kl, "lr": self.scheduler.get_last_lr()[0]}
             evaluated = None

@@ -100,8 +100,7 @@ def test_resumed_training_equals_uninterrupted(qad_inputs, tmp_path):
         settings = TrainSettings(steps=4, lr=1e-3, batch_size=2, grad_accum=2, eval_every=0, save_every=1)
         t = QadTrainer(student, teacher, latents, train, evaluator, settings, state, torch.device("cpu"))
         t.load_state()
-        t.s.steps = steps  # stop early, as an interrupted run would
-        t.run()
+        t.run(until=steps)  # stop early, as an interrupted run would
         return t
 
     (tmp_path / "a").mkdir()
