@@ -91,3 +91,39 @@ def test_export_refuses_foreign_target(int4_target, tiny_chat_checkpoints, tmp_p
     drafter = _drafter(int4_target, tmp_path / "drafter")
     # same shapes, other weights: the pinned fingerprint does not match
     assert _cli(["export", "vllm", "--target", str(tiny_chat_checkpoints["llama"]), "--drafter", str(drafter), "--out", str(tmp_path / "x")]) == 2
+
+
+def _serve_vllm(args, path_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PATH": f"{path_dir}:{os.defpath}", "HOME": str(tmp_path / "home")}
+    return subprocess.run([sys.executable, "-m", "qfd", "serve", "--engine", "vllm", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_serve_engine_vllm_says_clearly_when_vllm_is_missing(int4_target, tmp_path):
+    (tmp_path / "empty").mkdir()
+    done = _serve_vllm(["--target", str(int4_target)], tmp_path / "empty", tmp_path)
+    assert done.returncode == 2
+    assert "vLLM is not installed" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_serve_engine_vllm_exports_then_execs_vllm_serve(int4_target, tmp_path):
+    """A stand-in `vllm` executable records the command qfd hands over to."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "argv.json"
+    fake = bin_dir / "vllm"
+    fake.write_text(f"#!/usr/bin/env python3\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n")
+    fake.chmod(0o755)
+    drafter = _drafter(int4_target, tmp_path / "drafter", sliding_window=64)
+    export = tmp_path / "export"
+    done = _serve_vllm(["--target", str(int4_target), "--drafter", str(drafter), "--port", "8123", "--api-key", "k1", "--export-dir", str(export)], bin_dir, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    argv = json.loads(record.read_text())
+    assert argv[:2] == ["serve", str(export / "target")]
+    assert argv[argv.index("--port") + 1] == "8123" and argv[argv.index("--api-key") + 1] == "k1"
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "model": str(export / "drafter"), "num_speculative_tokens": 15}
+    assert target_problems(export / "target") == [] and drafter_problems(export / "drafter") == []

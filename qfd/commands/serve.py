@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 
@@ -18,8 +20,10 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         max_len: int = typer.Option(None, "--max-len", help="Context length (prompt + completion); default: the model's max positions."),
         model_name: str = typer.Option(None, "--model-name", help="Model id clients send as 'model' (default: the target's name)."),
         allow_target_mismatch: bool = typer.Option(False, "--allow-target-mismatch", help="Serve a drafter pinned to another target fingerprint (loud warning)."),
+        engine: str = typer.Option("qfd", "--engine", help="qfd (this package's engine) or vllm (export the pair as `qfd export vllm` does, then run `vllm serve` with DFlash; needs vLLM installed)."),
+        export_dir: Path = typer.Option(None, "--export-dir", help="--engine vllm: where to write the export (default: ~/.cache/qfd/vllm-exports/)."),
     ) -> None:
         """Serve /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health, /metrics."""
         from qfd.stages.serve import ServeConfig, run
 
-        run(ServeConfig(target=target, drafter=drafter, host=host, port=port, api_key=api_key, device=device, dtype=dtype, allow_target_mismatch=allow_target_mismatch, max_len=max_len, model_name=model_name))
+        run(ServeConfig(target=target, drafter=drafter, host=host, port=port, api_key=api_key, device=device, dtype=dtype, allow_target_mismatch=allow_target_mismatch, max_len=max_len, model_name=model_name, engine=engine, export_dir=export_dir))

@@ -25,6 +25,8 @@ class ServeConfig:
     allow_target_mismatch: bool = False
     max_len: int | None = None  # context (prompt + completion); default: the model's positions
     model_name: str | None = None  # the id clients pass as `model`; default: the target's name
+    engine: str = "qfd"  # qfd (this package's engine) or vllm (export, then `vllm serve`)
+    export_dir: Path | None = None  # --engine vllm: where the export goes (default: the qfd cache)
 
 
 def is_loopback(host: str) -> bool:
@@ -87,10 +89,61 @@ def build(cfg: ServeConfig):
     return server
 
 
+def vllm_argv(export: Path, cfg: ServeConfig) -> list[str]:
+    """The `vllm serve` command for a `qfd export vllm` directory, with serve's own flags."""
+    import json
+
+    argv = ["vllm", "serve", str(export / "target"), "--host", cfg.host, "--port", str(cfg.port)]
+    spec_file = export / "speculative_config.json"
+    if cfg.drafter and spec_file.is_file():
+        spec = json.loads(spec_file.read_text()) | {"model": str(export / "drafter")}
+        argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
+    if cfg.max_len:
+        argv += ["--max-model-len", str(cfg.max_len)]
+    if cfg.api_key:
+        argv += ["--api-key", cfg.api_key]
+    if cfg.model_name:
+        argv += ["--served-model-name", cfg.model_name]
+    return argv
+
+
+def run_vllm(cfg: ServeConfig) -> None:
+    """--engine vllm: export target + drafter in the layout vLLM loads (qfd export vllm), then
+    replace this process by `vllm serve` with the DFlash speculative config."""
+    import os
+    import shutil
+
+    from qfd.checkpoint import resolve_model
+    from qfd.console import console
+    from qfd.manifest import fingerprint, is_complete
+
+    check_config(cfg)
+    if shutil.which("vllm") is None:
+        raise QfdError("--engine vllm: vLLM is not installed here (no `vllm` on PATH); install it on a CUDA machine (pip install vllm), or use --engine qfd")
+    target = resolve_model(cfg.target)
+    if cfg.drafter:
+        from qfd.stages.export_vllm import ExportConfig
+        from qfd.stages.export_vllm import run as export
+
+        key = f"{fingerprint(target.path)}-{fingerprint(Path(cfg.drafter).expanduser())}"
+        out = Path(cfg.export_dir or Path.home() / ".cache" / "qfd" / "vllm-exports" / key).expanduser()
+        if not is_complete(out, stage="export-vllm"):
+            export(ExportConfig(target=str(target.path), drafter=Path(cfg.drafter), out=out, overwrite=True, allow_target_mismatch=cfg.allow_target_mismatch))
+    else:
+        out = None
+    argv = vllm_argv(out, cfg) if out is not None else ["vllm", "serve", str(target.path), "--host", cfg.host, "--port", str(cfg.port)]
+    console.print(f"[bold green]qfd serve --engine vllm[/bold green]: {' '.join(argv[:3])} ...", highlight=False)
+    os.execvp(argv[0], argv)
+
+
 def run(cfg: ServeConfig) -> Path:
     """Serve until Ctrl-C; returns the target directory served."""
     from qfd.console import console
 
+    if cfg.engine == "vllm":
+        run_vllm(cfg)
+    if cfg.engine != "qfd":
+        raise QfdError(f"--engine must be qfd or vllm (got {cfg.engine!r})")
     server = build(cfg)
     host, port = server.server_address[:2]
     engine = server.app.engine
