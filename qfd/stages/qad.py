@@ -3,7 +3,9 @@
 validate (INT4 ckpt, supported scheme, teacher matches, enough data) -> load teacher + student
 -> step-0 sanity (fake-quant student KL == the INT4 checkpoint's own KL) -> train (resumable)
 -> repack codes onto the SAME scales/zeros, same format -> verify -> held-out KL/ppl of the
-written checkpoint -> manifest.
+written checkpoint -> manifest. Under torchrun every rank runs this recipe: rank 0 prepares
+the data, runs the sanity check and evaluations and writes; all ranks train data-parallel
+(qfd.distributed).
 """
 
 from __future__ import annotations
@@ -104,22 +106,22 @@ def _documents(cfg: QadConfig, teacher_model, tokenizer, state_dir: Path):
 
 def run(cfg: QadConfig) -> tuple[Path, dict]:
     student_dir, teacher_dir = validate(cfg)
-    from qfd.checkpoint import Staging
-
-    staging = Staging(cfg.out, overwrite=cfg.overwrite)
-    state_dir = staging.state_dir()
-
     import torch
 
-    from qfd.checkpoint import copy_tokenizer_files, inspect_model_dir
+    from qfd.checkpoint import Staging, copy_tokenizer_files, inspect_model_dir
     from qfd.console import console, progress_bar
     from qfd.device import pick_device, pick_dtype
+    from qfd.distributed import init_from_env
     from qfd.models.hf import load_hf_causal_lm, load_hf_int4_runtime, load_tokenizer
     from qfd.qad_data import split_blocks
     from qfd.qad_trainer import Evaluator, QadTrainer, TrainSettings, attach_fake_quant, repack_codes
     from qfd.quant.formats import load_quantized, save_quantized
 
-    device = pick_device(cfg.device)
+    dist = init_from_env(pick_device(cfg.device))  # single process unless run under torchrun
+    device = dist.device
+    # Rank 0 alone touches the output directory; the others get a copy of its Staging (paths).
+    staging = dist.on_main(lambda: Staging(cfg.out, overwrite=cfg.overwrite))
+    state_dir = dist.on_main(staging.state_dir)  # made by rank 0
     dtype = pick_dtype(cfg.dtype, device)
     autocast = None if dtype == torch.float32 else dtype
     tokenizer = load_tokenizer(teacher_dir)
@@ -127,32 +129,35 @@ def run(cfg: QadConfig) -> tuple[Path, dict]:
     for p in teacher.parameters():
         p.requires_grad_(False)
 
-    docs, data_info = _documents(cfg, teacher, tokenizer, state_dir)
+    docs, data_info = dist.on_main(lambda: _documents(cfg, teacher, tokenizer, state_dir))
     train_blocks, eval_blocks = split_blocks(docs, cfg.seq_len, tokenizer.eos_token_id, max_eval_blocks=cfg.eval_blocks)
     need = cfg.batch_size
     if train_blocks.shape[0] < need or eval_blocks.shape[0] < 1:
         raise QfdError(f"training data too short: {train_blocks.shape[0]} train blocks of {cfg.seq_len} tokens (need {need}) and {eval_blocks.shape[0]} held-out; give more text or a smaller --seq-len/--batch-size")
 
     ckpt = load_quantized(student_dir.path)
-    evaluator = Evaluator(teacher, eval_blocks, device, cfg.kl_chunk, autocast)
+    evaluator = Evaluator(teacher, eval_blocks, device, cfg.kl_chunk, autocast) if dist.is_main else None  # rank 0 evaluates
 
     # Step-0 sanity: the INT4 checkpoint itself (Int4Linear kernels) vs the fake-quant student.
-    int4_model = load_hf_int4_runtime(student_dir, device, dtype, ckpt=ckpt)
-    before = evaluator(int4_model)
-    del int4_model
+    before = dist.on_main(lambda: evaluator(load_hf_int4_runtime(student_dir, device, dtype, ckpt=ckpt)))
     student = load_hf_causal_lm(student_dir, device, torch.float32, ckpt=ckpt)
     latents = attach_fake_quant(student, ckpt.qweights)
     student.config.use_cache = False
     student.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    student_before = evaluator(student)
-    rtol = cfg.sanity_rtol if cfg.sanity_rtol is not None else (1e-3 if dtype == torch.float32 else 3e-2)
-    gap = abs(student_before["kl"] - before["kl"])
-    if gap > rtol * max(before["kl"], 1e-6) + 1e-6:
-        raise RuntimeError(f"step-0 sanity check failed: fake-quant student KL {student_before['kl']:.6g} != INT4 checkpoint KL {before['kl']:.6g}")
-    console.print(f"[dim]step 0: INT4 KL {before['kl']:.5f} ppl {before['ppl']:.3f}; fake-quant student KL {student_before['kl']:.5f} (sanity ok)[/dim]")
+
+    def sanity() -> dict:
+        student_before = evaluator(student)
+        rtol = cfg.sanity_rtol if cfg.sanity_rtol is not None else (1e-3 if dtype == torch.float32 else 3e-2)
+        gap = abs(student_before["kl"] - before["kl"])
+        if gap > rtol * max(before["kl"], 1e-6) + 1e-6:
+            raise RuntimeError(f"step-0 sanity check failed: fake-quant student KL {student_before['kl']:.6g} != INT4 checkpoint KL {before['kl']:.6g}")
+        console.print(f"[dim]step 0: INT4 KL {before['kl']:.5f} ppl {before['ppl']:.3f}; fake-quant student KL {student_before['kl']:.5f} (sanity ok)[/dim]")
+        return student_before
+
+    student_before = dist.on_main(sanity)
 
     settings = TrainSettings(steps=cfg.steps, lr=cfg.lr, batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, kl_chunk=cfg.kl_chunk, eval_every=cfg.eval_every, seed=cfg.seed, autocast_dtype=autocast)
-    trainer = QadTrainer(student, teacher, latents, train_blocks, evaluator, settings, state_dir, device)
+    trainer = QadTrainer(student, teacher, latents, train_blocks, evaluator, settings, state_dir, device, dist=dist)
     if trainer.load_state():
         console.print(f"[dim]resuming QAD at step {trainer.step}/{cfg.steps} from {state_dir}[/dim]")
     with progress_bar() as bar:
@@ -168,23 +173,27 @@ def run(cfg: QadConfig) -> tuple[Path, dict]:
         history = trainer.run(on_step)
 
     # Output: codes rounded onto the SAME scale/zero tensors, in the input's format.
-    new_qweights = repack_codes(student, ckpt.qweights)
-    save_quantized(staging.path, ckpt, new_qweights)
-    copy_tokenizer_files(student_dir.path, staging.path)
-    changed = verify_grid(ckpt, load_quantized(staging.path))
+    new_qweights = repack_codes(student, ckpt.qweights) if dist.is_main else None
     del student, trainer
-    after = evaluator(load_hf_int4_runtime(inspect_model_dir(staging.path), device, dtype))
-    metrics = {
-        "kl_before": before["kl"], "kl_after": after["kl"],
-        "kl_reduction": 1.0 - after["kl"] / before["kl"] if before["kl"] > 0 else 0.0,
-        "ppl_before": before["ppl"], "ppl_after": after["ppl"], "teacher_ppl": evaluator(teacher)["ppl"],
-        "sanity_student_kl": student_before["kl"], "sanity_int4_kl": before["kl"], "sanity_passed": True,
-        "codes_changed": changed, "train_blocks": int(train_blocks.shape[0]), "eval_blocks": int(eval_blocks.shape[0]),
-        "format": ckpt.format, "history": history, **data_info,
-    }
-    config = {**asdict(cfg), "ckpt": str(cfg.ckpt), "out": str(cfg.out), "teacher": str(teacher_dir.path), "device": str(device), "dtype": str(dtype).replace("torch.", "")}
-    out = staging.commit(stage="qad", parents={"student_init": student_dir.path, "teacher": teacher_dir.path}, config=config, metrics=metrics)
-    return out, metrics
+
+    def finish() -> tuple[Path, dict]:  # rank 0: write, verify, evaluate, manifest
+        save_quantized(staging.path, ckpt, new_qweights)
+        copy_tokenizer_files(student_dir.path, staging.path)
+        changed = verify_grid(ckpt, load_quantized(staging.path))
+        after = evaluator(load_hf_int4_runtime(inspect_model_dir(staging.path), device, dtype))
+        metrics = {
+            "kl_before": before["kl"], "kl_after": after["kl"],
+            "kl_reduction": 1.0 - after["kl"] / before["kl"] if before["kl"] > 0 else 0.0,
+            "ppl_before": before["ppl"], "ppl_after": after["ppl"], "teacher_ppl": evaluator(teacher)["ppl"],
+            "sanity_student_kl": student_before["kl"], "sanity_int4_kl": before["kl"], "sanity_passed": True,
+            "codes_changed": changed, "train_blocks": int(train_blocks.shape[0]), "eval_blocks": int(eval_blocks.shape[0]),
+            "format": ckpt.format, "history": history, **data_info,
+        }
+        config = {**asdict(cfg), "ckpt": str(cfg.ckpt), "out": str(cfg.out), "teacher": str(teacher_dir.path), "device": str(device), "dtype": str(dtype).replace("torch.", "")}
+        out = staging.commit(stage="qad", parents={"student_init": student_dir.path, "teacher": teacher_dir.path}, config=config, metrics=metrics)
+        return out, metrics
+
+    return dist.on_main(finish)
 
 
 def verify_grid(before, after) -> int:
