@@ -71,8 +71,26 @@ def test_qfd_all_is_killed_mid_stage_and_resumes_to_the_end(tmp_path, embedded_m
     assert parents("6-draft-stage2")["init"] == str(out / "4-draft-stage1")
     assert parents("6-draft-stage2")["target"] == str(out / "2-qad")
     qad = read_manifest(out / "2-qad")["metrics"]
-    assert qad["sanity_passed"] and qad["kl_after"] >= 0
+    assert qad["sanity_passed"] and qad["kl_after"] < qad["kl_before"], qad
+    _loads_in_transformers_like_the_runtime(out / "2-qad")  # SmolLM2: a tied head
     latency = read_manifest(out / "9-eval-latency")["metrics"]
     assert latency, "eval latency recorded no metrics"
     quality = json.dumps(read_manifest(out / "10-eval-quality")["metrics"])
     assert "ifeval" in quality
+
+
+def _loads_in_transformers_like_the_runtime(int4_dir):
+    """transformers' compressed-tensors path decompresses the checkpoint to the logits of qfd's
+    INT4 runtime (a tied LM head must be listed as not quantized for it to load at all)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qfd.models.loading import load_target
+
+    hf = AutoModelForCausalLM.from_pretrained(int4_dir, dtype=torch.float32).eval()
+    runtime, tokenizer = load_target(int4_dir, "cpu", torch.float32)
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = runtime(ids, runtime.new_cache(32)).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-4)

@@ -82,6 +82,20 @@ def test_qad_keeps_every_scale_and_zero_bitwise(qad_inputs, tmp_path):
     assert (out / "tokenizer.json").is_file()
     assert json.loads((out / "config.json").read_text())["quantization_config"] == json.loads((Path(int4) / "config.json").read_text())["quantization_config"]
 
+    # It loads where the input loads: transformers' compressed-tensors path decompresses it to
+    # the same logits as qfd's INT4 runtime.
+    from transformers import AutoModelForCausalLM
+
+    from qfd.models.loading import load_target
+
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    runtime, _ = load_target(out, "cpu", torch.float32, tokenizer=False)
+    ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = runtime(ids, runtime.new_cache(16)).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
 
 def test_resumed_training_equals_uninterrupted(qad_inputs, tmp_path):
     from qfd.models.hf import load_hf_causal_lm, load_tokenizer

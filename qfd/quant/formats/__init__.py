@@ -150,7 +150,12 @@ def build_checkpoint(format_name: str, config: dict[str, Any], dense_state: dict
     if format_name not in FORMATS:
         raise QfdError(f"unknown INT4 format '{format_name}'; use one of {', '.join(FORMATS)}")
     fmt = FORMATS[format_name]
-    ignore = sorted({name[: -len(".weight")] for name, t in dense_state.items() if name.endswith(".weight") and t.dim() == 2 and name[: -len(".weight")] not in qweights and "embed" not in name})
+    ignore = {name[: -len(".weight")] for name, t in dense_state.items() if name.endswith(".weight") and t.dim() == 2 and name[: -len(".weight")] not in qweights and "embed" not in name}
+    if "lm_head" not in qweights:
+        # A tied head has no tensor of its own here, yet it is a Linear: unlisted, loaders
+        # (compressed-tensors in transformers, vLLM) would expect it quantized and fail to tie it.
+        ignore.add("lm_head")
+    ignore = sorted(ignore)
     config = dict(config)
     config["quantization_config"] = fmt.quantization_config(bits, group_size, symmetric, ignore)
     other = {name: t for name, t in dense_state.items() if not (name.endswith(".weight") and name[: -len(".weight")] in qweights)}
