@@ -71,7 +71,8 @@ def test_qfd_all_is_killed_mid_stage_and_resumes_to_the_end(tmp_path, embedded_m
     assert parents("6-draft-stage2")["init"] == str(out / "4-draft-stage1")
     assert parents("6-draft-stage2")["target"] == str(out / "2-qad")
     qad = read_manifest(out / "2-qad")["metrics"]
-    assert qad["sanity_passed"] and qad["kl_after"] < qad["kl_before"], qad
+    # 40 small steps: measured -17.5% held-out KL here (the demo preset: -42%)
+    assert qad["sanity_passed"] and qad["kl_after"] < 0.9 * qad["kl_before"], qad
     _loads_in_transformers_like_the_runtime(out / "2-qad")  # SmolLM2: a tied head
     latency = read_manifest(out / "9-eval-latency")["metrics"]
     assert latency, "eval latency recorded no metrics"

@@ -181,6 +181,8 @@ def run(cfg: DraftTrainConfig) -> Path:
     console.print(f"[dim]drafter: {num_parameters(drafter) / 1e6:.1f}M parameters, {drafter.cfg.num_hidden_layers} layers, taps {list(drafter.cfg.target_layer_ids)}, block {drafter.block_size}, mask id {drafter.mask_token_id}; {len(train_seqs)} train / {len(eval_seqs)} held-out sequences[/dim]", highlight=False)
     before = evaluate(drafter, frozen, eval_seqs, cfg.eval_anchors, cfg.seed) if eval_seqs and dist.is_main else None
     result = train_drafter(drafter, frozen, train_seqs, train_cfg, state_dir=state_dir, log_path=staging.path / "train_log.jsonl", dist=dist)
+    if result["stopped_early"] and dist.is_main:
+        console.print(f"[bold yellow]warning:[/bold yellow] --max-minutes stopped training at step {result['steps']}/{result['total_steps']}, part-way through a learning-rate schedule planned for {result['total_steps']} steps; for a finished schedule give --steps that fit the time", highlight=False)
     save_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     def finish() -> Path:  # rank 0: held-out E[tau] after training, drafter, plot, manifest
