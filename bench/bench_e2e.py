@@ -3,7 +3,12 @@
 static cache + torch.compile on CUDA) as the outside anchor - side by side in one run.
 
     python bench/bench_e2e.py --target DIR --drafter DIR [--prompts test.jsonl] [--num 8]
-        [--max-new-tokens 256] [--device cuda] [--hf-compile] [--out e2e.json]
+        [--max-new-tokens 256] [--device cuda] [--hf-compile] [--no-hf] [--out e2e.json]
+        [--few-shot K --shots train.jsonl] [--windows 256,1024] [--max-len 8192]
+
+--few-shot K makes long prompts: K solved GSM8K train problems as earlier chat turns before
+each test question. --windows adds rows where the drafter sees only the last W context tokens
+(sliding window, method.md section 3), to report tau before/after SWA on those prompts.
 
 Prints a table (tokens/s, speedup over qfd's BF16 target-only eager and graphed paths, tau)
 and how many speculative outputs are identical to target-only greedy (bf16 kernels may flip
@@ -17,6 +22,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,6 +33,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def prompts_from(path: Path, num: int) -> list[str]:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [row.get("question") or row.get("prompt") for row in rows[:num]]
+
+
+def few_shot_turns(path: Path, k: int) -> list[dict]:
+    """K solved problems as chat turns (user question, assistant answer): a long shared prefix."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()[:k]]
+    turns = []
+    for row in rows:
+        turns += [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]
+    return turns
+
+
 
 
 def run_engine(engine, prompt_ids, max_new) -> dict:
@@ -77,6 +94,12 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--hf-compile", action="store_true", help="also transformers' static cache + torch.compile")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    p.add_argument("--few-shot", type=int, default=0, help="K solved problems before each question (long prompts)")
+    p.add_argument("--shots", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl")
+    p.add_argument("--windows", default="", help="comma-separated drafter sliding windows to add as rows")
+    p.add_argument("--max-len", type=int, default=1024, help="engine context (prompt + new tokens)")
+    p.add_argument("--no-eager", action="store_true", help="on CUDA, only the CUDA-graph rows")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
     args = p.parse_args()
 
@@ -90,29 +113,38 @@ def main() -> None:
     target_dir = resolve_model(args.target).path
     target, tokenizer = load_target(target_dir, device, dtype)
     drafter = load_drafter(Path(args.drafter), device=device, dtype=dtype)
-    max_len = 1024
+    max_len = args.max_len
+    shots = few_shot_turns(args.shots, args.few_shot) if args.few_shot else []
     probe = Engine(target, tokenizer, max_len=max_len)
-    prompt_ids = [probe.encode(text, chat=True) for text in prompts_from(args.prompts, args.num)]
+    prompt_ids = [probe.encode(shots + [{"role": "user", "content": q}]) for q in prompts_from(args.prompts, args.num)]
     del probe
+    prompt_tokens = sum(map(len, prompt_ids)) / len(prompt_ids)
 
     rows = {}
     graphs = device.type == "cuda"
-    rows["qfd target-only (eager)"] = run_engine(Engine(target, tokenizer, max_len=max_len), prompt_ids, args.max_new_tokens)
-    if graphs:
-        rows["qfd target-only (CUDA graphs)"] = run_engine(Engine(target, tokenizer, max_len=max_len, cuda_graphs=True), prompt_ids, args.max_new_tokens)
-    rows["qfd + DFlash (eager)"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len), prompt_ids, args.max_new_tokens)
-    if graphs:
-        rows["qfd + DFlash (CUDA graphs)"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=True), prompt_ids, args.max_new_tokens)
+    eager = not (graphs and args.no_eager)
+    modes = ([("eager", False)] if eager else []) + ([("CUDA graphs", True)] if graphs else [])
+    for label, graphed in modes:
+        rows[f"qfd target-only ({label})"] = run_engine(Engine(target, tokenizer, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
+    for label, graphed in modes:
+        rows[f"qfd + DFlash ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
+    full_window = drafter.cfg
+    for window in [int(w) for w in args.windows.split(",") if w]:
+        drafter.cfg = replace(full_window, sliding_window=window)
+        label, graphed = modes[-1]
+        rows[f"qfd + DFlash, drafter window {window} ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
+    drafter.cfg = full_window
     args.out.write_text(json.dumps({"partial": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in rows.items()}}, indent=2))
-    rows["transformers generate (dynamic)"] = run_hf(target_dir, prompt_ids, args.max_new_tokens, device, dtype, compile_=False)
-    if args.hf_compile and device.type == "cuda":
+    if not args.no_hf:
+        rows["transformers generate (dynamic)"] = run_hf(target_dir, prompt_ids, args.max_new_tokens, device, dtype, compile_=False)
+    if args.hf_compile and not args.no_hf and device.type == "cuda":
         try:
             rows["transformers generate (static+compile)"] = run_hf(target_dir, prompt_ids, args.max_new_tokens, device, dtype, compile_=True)
         except Exception as exc:  # report, do not lose the other rows
             print(f"transformers static+compile failed: {type(exc).__name__}: {exc}")
 
     base_key = "qfd target-only (CUDA graphs)" if graphs else "qfd target-only (eager)"
-    reference = rows["qfd target-only (eager)"]["outputs"]
+    reference = rows[next(iter(rows))]["outputs"]
     for name, row in rows.items():
         row["speedup_vs_qfd_target_only"] = row["tokens_per_s"] / rows[base_key]["tokens_per_s"]
         if "outputs" in row:
@@ -121,13 +153,13 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"end to end, {args.num} GSM8K test prompts, {args.max_new_tokens} new tokens, T=0, {torch.cuda.get_device_name() if graphs else 'cpu'}")
+    table = Table(title=f"end to end, {args.num} GSM8K test prompts ({args.few_shot}-shot, {prompt_tokens:.0f} prompt tokens on average), {args.max_new_tokens} new tokens, T=0, {torch.cuda.get_device_name() if graphs else 'cpu'}")
     for col in ("system", "tokens/s", f"x {base_key}", "tau", "identical outputs"):
         table.add_column(col, justify="right")
     for name, row in rows.items():
         table.add_row(name, f"{row['tokens_per_s']:.1f}", f"{row['speedup_vs_qfd_target_only']:.2f}", "" if row["tau"] is None else f"{row['tau']:.2f}", str(row.get("identical_to_target_only", "")))
     Console().print(table)
-    args.out.write_text(json.dumps({"device": str(device), "num": args.num, "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2))
+    args.out.write_text(json.dumps({"device": str(device), "num": args.num, "few_shot": args.few_shot, "prompt_tokens_mean": prompt_tokens, "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":
