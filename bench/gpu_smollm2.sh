@@ -8,7 +8,7 @@
 #   PHASE=bench end to end on GSM8K test prompts (short), then long few-shot prompts with the
 #               drafter's sliding window (tau before/after SWA)
 # Sizes come from the environment so the same script runs a tiny version on a CPU box:
-#   NUM, GEN_TOKENS, GEN_BATCH, EPOCHS, MINUTES, DEVICE, E2E_NUM, LONG_NUM, SHOTS, WINDOWS
+#   NUM, GEN_TOKENS, GEN_BATCH, EPOCHS or STEPS, GRAD_ACCUM, LR, MINUTES, DEVICE, E2E_NUM, LONG_NUM, SHOTS, WINDOWS
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=${QFD_WORK:-$HOME/qfd-work}
@@ -38,7 +38,7 @@ train)
     echo "data: $((SECONDS - start)) s"
     start=$SECONDS
     timeout "${TRAIN_S:-420}" python3 -m qfd draft train --stage 1 --target smollm2-135m --data "$ROOT/data" \
-        --epochs "${EPOCHS:-2}" --grad-accum 8 --lr 1e-3 --max-minutes "${MINUTES:-5}" \
+        ${STEPS:+--steps $STEPS} --epochs "${EPOCHS:-2}" --grad-accum "${GRAD_ACCUM:-8}" --lr "${LR:-1e-3}" --max-minutes "${MINUTES:-5}" \
         --device "$DEVICE" --out "$ROOT/draft1" 2>&1 | grep -v Warning | tee "$OUT/train.log" || exit 1
     echo "train: $((SECONDS - start)) s"
     cp -r "$ROOT/draft1" "$OUT/draft1"

@@ -37,6 +37,20 @@ def block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, s
     return torch.cat([ctx_visible, same_block], dim=1)
 
 
+def per_block_attention_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, sliding_window: int | None = None) -> torch.Tensor:
+    """block_attention_mask with the blocks as a batch: block n's queries see keys [T context ;
+    its own B tokens] only, so the N x N block-to-block part (all False off the diagonal) is never
+    built or computed. Same visibility rule; bool [N, 1, B, T + B] (broadcast over heads)."""
+    n = anchors.numel()
+    ctx = torch.arange(ctx_len, device=anchors.device).view(1, -1)
+    anchor = anchors.view(n, 1)
+    ctx_visible = ctx < anchor
+    if sliding_window is not None:
+        ctx_visible &= ctx >= anchor - sliding_window
+    own_block = torch.ones(n, block_size, dtype=torch.bool, device=anchors.device)
+    return torch.cat([ctx_visible, own_block], dim=1).view(n, 1, 1, -1).expand(n, 1, block_size, ctx_len + block_size)
+
+
 def context_window_start(start_pos: int, sliding_window: int | None) -> int:
     """First context position a block starting at `start_pos` attends to (inference path)."""
     if sliding_window is None:

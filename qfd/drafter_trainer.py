@@ -2,8 +2,9 @@
 
 Per sequence (prompt + target-generated response): the frozen target runs once and its tapped
 hidden states become the drafter's context; up to `max_anchors` random anchors in the response
-region each start a block [x[a], MASK x (B-1)]; all blocks go through the drafter in one
-forward under the block mask; loss = CE weighted by exp(-(k-1)/gamma). AdamW, linear warmup +
+region each start a block [x[a], MASK x (B-1)]; the blocks go through the drafter as a batch,
+each seeing its sequence's context before its anchor and its own block (the block mask); the
+sequences of a step are packed into one target pass and as few drafter passes as memory allows; loss = CE weighted by exp(-(k-1)/gamma). AdamW, linear warmup +
 cosine, gradient clipping, gradient accumulation over sequences, bf16 autocast on CUDA. The
 loop checkpoints its full state into the staging state dir and resumes from it. Under torchrun
 (`dist`, qfd.distributed) each rank takes every W-th sequence of a step and the gradients are
@@ -52,6 +53,8 @@ class TrainConfig:
     steps: int | None = None  # optimizer steps; None: epochs over the training sequences
     gamma: float | None = None  # None: 7 for B = 16 (scaled with B)
     seed: int = 0
+    pack_tokens: int = 8192  # sequences of a step share one target pass up to this many padded tokens
+    max_cells: int | None = None  # blocks x context positions per drafter pass; None: default_max_cells
     eval_anchors: int = 128  # per held-out sequence
     max_minutes: float | None = None  # stop early (schedule unchanged) after this much time
     checkpoint_every_s: float = 120.0
@@ -120,8 +123,9 @@ class FrozenTarget:
 
     @torch.no_grad()
     def taps(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [T] -> taps [1, T, k*H]."""
-        out = self.model(input_ids=ids.view(1, -1).to(self.device), output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        """ids [T] or [G, T] (right-padded rows) -> taps [1 or G, T, k*H]."""
+        ids = ids.view(-1, ids.shape[-1]).to(self.device)
+        out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False, logits_to_keep=1)
         return torch.cat([out.hidden_states[i + 1] for i in self.tap_layers], dim=-1)
 
 
@@ -132,7 +136,9 @@ def _autocast(device: torch.device):
 
 
 def sequence_loss(drafter, target: FrozenTarget, seq: TrainSequence, anchors: torch.Tensor, weights: torch.Tensor):
-    """(weighted CE sum, weight sum) of one sequence's blocks at `anchors`."""
+    """(weighted CE sum, weight sum) of one sequence's blocks at `anchors`, all blocks in one
+    forward under the dense block mask: the reference the packed path is tested against (and
+    the profiler's one-by-one baseline); training runs pack_loss_backward."""
     device = target.device
     ids = seq.ids.to(device)
     anchors = anchors.to(device)
@@ -143,30 +149,107 @@ def sequence_loss(drafter, target: FrozenTarget, seq: TrainSequence, anchors: to
         return chunked_weighted_ce(hidden, target.head, labels, valid, weights.to(device))
 
 
+@dataclass
+class Pack:
+    """Several sequences' blocks for one drafter pass: right-padded ids [G, T], each block's
+    sequence and anchor [N], and the labels [N, B-1] with their validity."""
+
+    ids: torch.Tensor
+    block_seq: torch.Tensor
+    anchors: torch.Tensor
+    labels: torch.Tensor
+    valid: torch.Tensor
+
+
+def make_pack(seqs: Sequence[TrainSequence], anchors: Sequence[torch.Tensor], block_size: int, device) -> Pack:
+    width = max(s.ids.numel() for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    labels, valid = [], []
+    for g, (seq, a) in enumerate(zip(seqs, anchors)):
+        ids[g, : seq.ids.numel()] = seq.ids
+        lab, val = block_labels(seq.ids, a, block_size)  # each sequence's own end, not the padding
+        labels.append(lab)
+        valid.append(val)
+    block_seq = torch.cat([torch.full((a.numel(),), g, dtype=torch.long) for g, a in enumerate(anchors)])
+    return Pack(ids.to(device), block_seq.to(device), torch.cat(list(anchors)).to(device), torch.cat(labels).to(device), torch.cat(valid).to(device))
+
+
+def pack_groups(parts: Sequence[tuple[TrainSequence, torch.Tensor]], max_tokens: int) -> list[list[tuple[TrainSequence, torch.Tensor]]]:
+    """Consecutive (sequence, anchors) parts grouped so each group's padded target batch holds
+    at most max_tokens (a longer sequence is a group of its own)."""
+    groups, current, width = [], [], 0
+    for part in parts:
+        new_width = max(width, part[0].ids.numel())
+        if current and new_width * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current, new_width = [], part[0].ids.numel()
+        current.append(part)
+        width = new_width
+    if current:
+        groups.append(current)
+    return groups
+
+
+GATHERED_KV_BYTES = 1 << 30  # per K (and per V) tensor of one drafter layer in one pass
+
+
+def default_max_cells(drafter_cfg) -> int:
+    """Block x context cells whose gathered, head-expanded bf16 K fits GATHERED_KV_BYTES: ~930K
+    at SmolLM2's drafter width (9 x 64), ~131K at Qwen3.5-4B's (32 x 128), where a 3072-token
+    sequence's 512 blocks then go through in 12 passes instead of one that would not fit."""
+    return GATHERED_KV_BYTES // (drafter_cfg.num_attention_heads * drafter_cfg.head_dim * 2)
+
+
+def block_chunks(pack: Pack, max_cells: int) -> list[slice]:
+    """Slices of the pack's blocks, each with at most max_cells block x context cells (the
+    gathered context keys of a chunk are [blocks, heads, T, d]: this bounds their memory)."""
+    per_chunk = max(1, max_cells // pack.ids.shape[1])
+    n = pack.anchors.numel()
+    return [slice(i, min(n, i + per_chunk)) for i in range(0, n, per_chunk)]
+
+
+def pack_loss_backward(drafter, target: FrozenTarget, pack: Pack, weights: torch.Tensor, norm: float, max_cells: int) -> float:
+    """Weighted CE of all the pack's blocks divided by `norm`, back-propagated chunk by chunk
+    (the target runs once for the pack); returns the loss value."""
+    taps = target.taps(pack.ids)
+    total = 0.0
+    for chunk in block_chunks(pack, max_cells):
+        with _autocast(target.device):
+            hidden = drafter.forward_blocks(taps, pack.ids, pack.block_seq[chunk], pack.anchors[chunk], target.embed)
+            loss_sum, _ = chunked_weighted_ce(hidden, target.head, pack.labels[chunk], pack.valid[chunk], weights.to(target.device))
+        (loss_sum / norm).backward()
+        total += float(loss_sum.detach()) / norm
+    return total
+
+
 @torch.no_grad()
-def evaluate(drafter, target: FrozenTarget, sequences: Sequence[TrainSequence], max_anchors: int = 128, seed: int = 0, gamma: float | None = None) -> dict:
+def evaluate(drafter, target: FrozenTarget, sequences: Sequence[TrainSequence], max_anchors: int = 128, seed: int = 0, gamma: float | None = None, pack_tokens: int = 8192, max_cells: int | None = None) -> dict:
     """Held-out loss, per-position accuracy and expected acceptance length (see
     qfd.drafter_losses.acceptance_summary). Anchors are drawn with a fixed seed, so two
     drafters evaluated on the same sequences see the same blocks."""
     was_training = drafter.training
     drafter.eval()
     bsz = drafter.block_size
-    weights = slot_weights(bsz, gamma)
+    weights = slot_weights(bsz, gamma).to(target.device)
     generator = torch.Generator().manual_seed(seed + 99)
     totals = [torch.zeros(bsz - 1, dtype=torch.float64) for _ in range(4)]
     loss_sum, weight_sum = 0.0, 0.0
-    for seq in sequences:
-        anchors = sample_anchors(seq.prompt_len, seq.ids.numel(), max_anchors, generator).to(target.device)
-        ids = seq.ids.to(target.device)
-        taps = target.taps(ids)
-        with _autocast(target.device):
-            hidden = drafter.forward_train(taps, ids, anchors, target.embed)
-            logits = target.head(hidden)
-        labels, valid = block_labels(ids, anchors, bsz)
-        ls, ws = weighted_block_ce(logits, labels, valid, weights.to(logits.device))
-        loss_sum, weight_sum = loss_sum + float(ls), weight_sum + float(ws)
-        for total, part in zip(totals, acceptance_counts(logits.argmax(-1) == labels, valid)):
-            total += part.cpu()
+    parts = [(seq, sample_anchors(seq.prompt_len, seq.ids.numel(), max_anchors, generator)) for seq in sequences]
+    for group in pack_groups(parts, pack_tokens):
+        pack = make_pack([s for s, _ in group], [a for _, a in group], bsz, target.device)
+        taps = target.taps(pack.ids)
+        for chunk in block_chunks(pack, max_cells or default_max_cells(drafter.cfg)):
+            with _autocast(target.device):
+                hidden = drafter.forward_blocks(taps, pack.ids, pack.block_seq[chunk], pack.anchors[chunk], target.embed)
+            labels, valid = pack.labels[chunk], pack.valid[chunk]
+            for start in range(0, hidden.shape[0], 64):  # logits of 64 blocks at a time
+                sl = slice(start, start + 64)
+                with _autocast(target.device):
+                    logits = target.head(hidden[sl])
+                ls, ws = weighted_block_ce(logits, labels[sl], valid[sl], weights)
+                loss_sum, weight_sum = loss_sum + float(ls), weight_sum + float(ws)
+                for total, part in zip(totals, acceptance_counts(logits.argmax(-1) == labels[sl], valid[sl])):
+                    total += part.cpu()
     drafter.train(was_training)
     summary = acceptance_summary(*totals)
     summary["loss"] = loss_sum / weight_sum if weight_sum else float("nan")
@@ -248,10 +331,10 @@ def train_drafter(drafter, target: FrozenTarget, train: Sequence[TrainSequence],
                 # Normalise by the step's total weight: the weighted mean over all valid slots.
                 norm = sum(float(block_labels(s.ids, a, drafter.block_size)[1].float().mul(weights).sum()) for s, a in parts)
                 loss_value = 0.0
-                for seq, anchors in dist.shard(parts):  # this rank's sequences of the step
-                    loss_sum, _ = sequence_loss(drafter, target, seq, anchors, weights)
-                    (loss_sum / norm).backward()
-                    loss_value += float(loss_sum.detach()) / norm
+                max_cells = cfg.max_cells or default_max_cells(drafter.cfg)
+                for group in pack_groups(dist.shard(parts), cfg.pack_tokens):  # this rank's sequences
+                    pack = make_pack([s for s, _ in group], [a for _, a in group], drafter.block_size, device)
+                    loss_value += pack_loss_backward(drafter, target, pack, weights, norm, max_cells)
                 dist.all_reduce_grads(params)
                 loss_value = dist.all_reduce_scalar(loss_value)
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip))

@@ -65,6 +65,23 @@ def test_draft_on_cache_equals_training_forward(parts, window):
         assert torch.equal(tokens[0], logits_train[i].argmax(-1))
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_batched_blocks_of_padded_sequences_equal_one_sequence_forward(parts, window):
+    """forward_blocks over two right-padded sequences == forward_train on each one alone."""
+    embed, head, taps, ids = parts
+    drafter = DFlashDrafter(tiny_cfg(sliding_window=window)).eval()
+    short_len = 15
+    taps2 = torch.zeros(2, 24, taps.shape[-1])
+    taps2[0], taps2[1, :short_len] = taps[0], taps[0, :short_len] * 0.5
+    taps2[1, short_len:] = 7.0  # padding: must not matter
+    ids2 = torch.stack([ids, torch.cat([ids[:short_len].flip(0), torch.zeros(24 - short_len, dtype=torch.long)])])
+    anchors_a, anchors_b = torch.tensor([3, 9, 20]), torch.tensor([1, 8, 13])
+    out = drafter.forward_blocks(taps2, ids2, torch.tensor([0, 0, 0, 1, 1, 1]), torch.cat([anchors_a, anchors_b]), embed)
+    torch.testing.assert_close(out[:3], drafter.forward_train(taps, ids, anchors_a, embed), atol=1e-5, rtol=1e-5)
+    alone = drafter.forward_train(taps2[1:, :short_len], ids2[1, :short_len], anchors_b, embed)
+    torch.testing.assert_close(out[3:], alone, atol=1e-5, rtol=1e-5)
+
+
 def test_training_blocks_do_not_see_each_other_or_the_future(parts):
     embed, head, taps, ids = parts
     drafter = DFlashDrafter(tiny_cfg()).eval()

@@ -13,6 +13,7 @@ from qfd.drafter_losses import (
     block_attention_mask,
     block_labels,
     chunked_weighted_ce,
+    per_block_attention_mask,
     cosine_lr,
     slot_weights,
     weighted_block_ce,
@@ -39,6 +40,18 @@ def test_block_mask_matches_definition(window):
     anchors = [0, 2, 5, 9, 9]
     got = block_attention_mask(torch.tensor(anchors), 12, 4, window)
     assert torch.equal(got, brute_force_mask(anchors, 12, 4, window))
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 100])
+def test_per_block_mask_is_the_block_mask_without_cross_block_columns(window):
+    anchors, ctx, block = [0, 2, 5, 9, 9], 12, 4
+    full = brute_force_mask(anchors, ctx, block, window)
+    got = per_block_attention_mask(torch.tensor(anchors), ctx, block, window)
+    assert got.shape == (len(anchors), 1, block, ctx + block)
+    for b in range(len(anchors)):
+        rows = full[b * block : (b + 1) * block]
+        own = rows[:, ctx + b * block : ctx + (b + 1) * block]
+        assert torch.equal(got[b, 0], torch.cat([rows[:, :ctx], own], dim=1))
 
 
 def test_block_mask_window_at_least_context_is_full():

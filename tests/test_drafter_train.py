@@ -61,6 +61,35 @@ def test_trained_drafter_beats_untrained_on_heldout_acceptance(tiny_setup):
     assert after["expected_acceptance_length"] > before["expected_acceptance_length"] + 0.25, (before, after)
 
 
+@pytest.mark.parametrize("max_cells", [10**6, 100])
+def test_packed_step_gradients_equal_one_sequence_at_a_time(tiny_setup, max_cells):
+    """Packing sequences into one target pass and chunked drafter passes changes no gradient."""
+    from qfd.drafter_losses import slot_weights
+    from qfd.drafter_trainer import FrozenTarget, make_pack, pack_groups, pack_loss_backward, prepare_sequences, sample_anchors, sequence_loss
+    from qfd.models.drafter import DFlashDrafter, config_for_target
+
+    target_dir, model, records = tiny_setup
+    cfg = config_for_target(json.loads((target_dir / "config.json").read_text()), None, num_layers=1, block_size=8)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg)
+    target = FrozenTarget(model, cfg.target_layer_ids)
+    seqs = prepare_sequences(records[:5], 512)
+    gen = torch.Generator().manual_seed(1)
+    parts = [(s, sample_anchors(s.prompt_len, s.ids.numel(), 12, gen)) for s in seqs]
+    weights = slot_weights(cfg.block_size)
+    for seq, anchors in parts:
+        loss, _ = sequence_loss(drafter, target, seq, anchors, weights)
+        (loss / 10.0).backward()
+    expected = [p.grad.clone() for p in drafter.parameters()]
+    drafter.zero_grad()
+    groups = pack_groups(parts, max_tokens=3 * max(s.ids.numel() for s in seqs))
+    assert [len(g) for g in groups] == [3, 2]
+    for group in groups:
+        pack_loss_backward(drafter, target, make_pack([s for s, _ in group], [a for _, a in group], cfg.block_size, "cpu"), weights, 10.0, max_cells)
+    for want, p in zip(expected, drafter.parameters()):
+        torch.testing.assert_close(p.grad, want, atol=1e-6, rtol=1e-4)
+
+
 def test_training_resumes_from_its_state(tmp_path, tiny_setup):
     from qfd.drafter_trainer import FrozenTarget, TrainConfig, prepare_sequences, train_drafter
     from qfd.models.drafter import DFlashDrafter, config_for_target

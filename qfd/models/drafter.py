@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qfd.drafter_losses import block_attention_mask, context_window_start
+from qfd.drafter_losses import block_attention_mask, context_window_start, per_block_attention_mask
 
 
 @dataclass(frozen=True)
@@ -290,6 +290,27 @@ class DFlashDrafter(nn.Module):
             k_ctx, v_ctx = layer.self_attn.project_kv(ctx, ctx_pos)
             h = layer(h, positions, k_ctx, v_ctx, mask)
         return self.norm(h).view(-1, bsz, self.cfg.hidden_size)[:, 1:]
+
+    def forward_blocks(self, taps: torch.Tensor, input_ids: torch.Tensor, block_seq: torch.Tensor, anchors: torch.Tensor, embed: Callable) -> torch.Tensor:
+        """forward_train for several sequences at once, each block a batch row of its own.
+
+        taps: [G, T, k*H] taps of G right-padded sequences (causal: padding on the right does
+        not change the taps before it); input_ids: [G, T]; block_seq, anchors: [N] (sequence and
+        position of each block). Block n attends to its sequence's context before its anchor and
+        to its own B tokens (per_block_attention_mask) - the same function as forward_train, with
+        attention work N*B*(T+B) instead of N*B*(T+N*B).
+        Returns final-normed hidden states of the predicted slots: [N, B-1, H]."""
+        bsz = self.block_size
+        t = input_ids.shape[1]
+        ctx = self.fuse(taps)
+        ctx_pos = torch.arange(t, device=input_ids.device).view(1, -1)
+        h = self._block_inputs(input_ids[block_seq, anchors].view(-1, 1), embed)  # [N, B, H]
+        positions = anchors.view(-1, 1) + torch.arange(bsz, device=anchors.device)  # [N, B]
+        mask = per_block_attention_mask(anchors, t, bsz, self.cfg.sliding_window)
+        for layer in self.layers:
+            k_ctx, v_ctx = layer.self_attn.project_kv(ctx, ctx_pos)
+            h = layer(h, positions, k_ctx[block_seq], v_ctx[block_seq], mask)
+        return self.norm(h)[:, 1:]
 
     # -- inference path ----------------------------------------------------------------------
     def new_cache(self, max_len: int, batch: int = 1, device=None, dtype=None) -> DrafterCache:
