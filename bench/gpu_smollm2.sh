@@ -3,9 +3,10 @@
 # machine stays warm (state lives under $HOME there):
 #   PHASE=part  copy one GGUF part (.carry/parts/...) to ~/parts (the GGUF is over one call's 64 MiB)
 #   PHASE=train assemble the GGUF, convert it (qfd's built-in conversion), generate target chat
-#               data from GSM8K train prompts, train a stage-1 DFlash drafter; the drafter also
-#               comes back under $OUT (bf16, ~40 MB)
-#   PHASE=bench end to end on GSM8K test prompts (short), then long few-shot prompts with the
+#               data from GSM8K train prompts, train a stage-1 DFlash drafter; its manifest,
+#               log and plot come back under $OUT (the weights stay in ~/qfd-work/draft1)
+#   PHASE=bench end to end on GSM8K test prompts (short; the transformers rows alone take ~3 min
+#               for 16 prompts), then long few-shot prompts with the
 #               drafter's sliding window (tau before/after SWA)
 # Sizes come from the environment so the same script runs a tiny version on a CPU box:
 #   NUM, GEN_TOKENS, GEN_BATCH, EPOCHS or STEPS, GRAD_ACCUM, LR, MINUTES, DEVICE, E2E_NUM, LONG_NUM, SHOTS, WINDOWS
@@ -41,13 +42,13 @@ train)
         ${STEPS:+--steps $STEPS} --epochs "${EPOCHS:-2}" --grad-accum "${GRAD_ACCUM:-8}" --lr "${LR:-1e-3}" --max-minutes "${MINUTES:-5}" \
         --device "$DEVICE" --out "$ROOT/draft1" 2>&1 | grep -v Warning | tee "$OUT/train.log" || exit 1
     echo "train: $((SECONDS - start)) s"
-    cp -r "$ROOT/draft1" "$OUT/draft1"
+    mkdir -p "$OUT/draft1" && cp "$ROOT"/draft1/{config.json,qfd.json,train_log.jsonl,training.png} "$OUT/draft1/"
     head -c 4000 "$ROOT/data/qfd.json" > "$OUT/data_manifest_head.json" ;;
 bench)
     export PYTHONPATH=/tmp/site:$ROOT/pkgs:$PWD
     DRAFTER=${DRAFTER:-$ROOT/draft1}
     [ -d "$DRAFTER" ] || DRAFTER=.carry/draft1
-    timeout "${SHORT_S:-200}" python3 bench/bench_e2e.py --target smollm2-135m --drafter "$DRAFTER" \
+    timeout "${SHORT_S:-420}" python3 bench/bench_e2e.py --target smollm2-135m --drafter "$DRAFTER" \
         --prompts .carry/data/test.jsonl --num "${E2E_NUM:-16}" --max-new-tokens 256 --device "$DEVICE" \
         --out "$OUT/e2e_short.json" 2>&1 | grep -v Warning | tee "$OUT/e2e_short.log"
     timeout "${LONG_S:-240}" python3 bench/bench_e2e.py --target smollm2-135m --drafter "$DRAFTER" \
