@@ -49,10 +49,24 @@ def _register_commands() -> None:
 _register_commands()
 
 
+# Import-time noise of optional dependencies that says nothing about the user's run: torchao
+# (pulled in by gptqmodel/transformers) logs every prebuilt kernel that does not match this
+# torch, and torch's pytree logger a deprecation for torchao's enums.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def _quiet_dependency_logs() -> None:
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors become one red line and exit code 2, never a traceback."""
     from qfd.console import console
 
+    _quiet_dependency_logs()
     try:
         app(args=argv, standalone_mode=False)
     except QfdError as exc:

@@ -168,3 +168,16 @@ def test_smollm2_chat_answers_paris():
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
     assert "tokens/s" in proc.stderr
+
+
+def test_dependency_import_noise_is_silenced():
+    """gptqmodel's import pulls in torchao, which logs every prebuilt kernel that does not load
+    with this torch; qfd's entry point keeps that out of the user's terminal."""
+    code = "import sys; from qfd.cli import _quiet_dependency_logs; {}; import gptqmodel"
+    loud = subprocess.run([sys.executable, "-c", code.format("pass")], capture_output=True, text=True)
+    quiet = subprocess.run([sys.executable, "-c", code.format("_quiet_dependency_logs()")], capture_output=True, text=True)
+    assert quiet.returncode == 0, quiet.stderr[-2000:]
+    for noise in ("Failed to load", "register_constant"):
+        assert noise not in quiet.stderr, quiet.stderr[-2000:]
+    if "Failed to load" not in loud.stderr:
+        pytest.skip("torchao loads cleanly here: nothing to silence")
