@@ -46,7 +46,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from qfd.drafter_losses import slot_weights
-    from qfd.drafter_trainer import FrozenTarget, TrainSequence, make_pack, pack_loss_backward, sample_anchors, sequence_loss
+    from qfd.drafter_trainer import FrozenTarget, TrainSequence, packed_loss_backward, sample_anchors, sequence_loss
     from qfd.models.drafter import DFlashDrafter, config_for_target
 
     device = torch.device(args.device)
@@ -87,8 +87,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
 
     def packed_step():
-        pack = make_pack(seqs, anchors, drafter.block_size, device)
-        pack_loss_backward(drafter, target, pack, weights, 1.0, args.max_cells)
+        packed_loss_backward(drafter, target, list(zip(seqs, anchors)), weights, 1.0, 1 << 30, args.max_cells)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

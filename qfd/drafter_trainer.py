@@ -4,8 +4,8 @@ Per sequence (prompt + target-generated response): the frozen target runs once a
 hidden states become the drafter's context; up to `max_anchors` random anchors in the response
 region each start a block [x[a], MASK x (B-1)]; the blocks go through the drafter as a batch,
 each seeing its sequence's context before its anchor and its own block (the block mask); the
-sequences of a step are packed into one target pass and as few drafter passes as memory allows; loss = CE weighted by exp(-(k-1)/gamma). AdamW, linear warmup +
-cosine, gradient clipping, gradient accumulation over sequences, bf16 autocast on CUDA. The
+sequences of a step share one target pass and as few drafter passes as memory allows;
+loss = CE weighted by exp(-(k-1)/gamma). AdamW, linear warmup + cosine, gradient clipping, gradient accumulation over sequences, bf16 autocast on CUDA. The
 loop checkpoints its full state into the staging state dir and resumes from it. Under torchrun
 (`dist`, qfd.distributed) each rank takes every W-th sequence of a step and the gradients are
 summed over ranks before clipping: the same run as one process, W times fewer sequences each.
@@ -138,7 +138,7 @@ def _autocast(device: torch.device):
 def sequence_loss(drafter, target: FrozenTarget, seq: TrainSequence, anchors: torch.Tensor, weights: torch.Tensor):
     """(weighted CE sum, weight sum) of one sequence's blocks at `anchors`, all blocks in one
     forward under the dense block mask: the reference the packed path is tested against (and
-    the profiler's one-by-one baseline); training runs pack_loss_backward."""
+    the profiler's one-by-one baseline); training runs packed_loss_backward."""
     device = target.device
     ids = seq.ids.to(device)
     anchors = anchors.to(device)
@@ -208,15 +208,30 @@ def block_chunks(pack: Pack, max_cells: int) -> list[slice]:
     return [slice(i, min(n, i + per_chunk)) for i in range(0, n, per_chunk)]
 
 
-def pack_loss_backward(drafter, target: FrozenTarget, pack: Pack, weights: torch.Tensor, norm: float, max_cells: int) -> float:
-    """Weighted CE of all the pack's blocks divided by `norm`, back-propagated chunk by chunk
-    (the target runs once for the pack); returns the loss value."""
-    taps = target.taps(pack.ids)
+def block_passes(drafter, target: FrozenTarget, parts: Sequence[tuple[TrainSequence, torch.Tensor]], pack_tokens: int, max_cells: int | None = None):
+    """The drafter passes over all blocks of (sequence, anchors) parts: sequences grouped into
+    one target pass each (pack_groups), each group's blocks in chunks of at most max_cells
+    (default_max_cells). Yields (hidden [n, B-1, H], labels [n, B-1], valid [n, B-1]); a
+    training consumer back-propagates each before taking the next, so one chunk's activations
+    are alive at a time."""
+    max_cells = max_cells or default_max_cells(drafter.cfg)
+    for group in pack_groups(parts, pack_tokens):
+        pack = make_pack([s for s, _ in group], [a for _, a in group], drafter.block_size, target.device)
+        taps = target.taps(pack.ids)
+        for chunk in block_chunks(pack, max_cells):
+            with _autocast(target.device):
+                hidden = drafter.forward_blocks(taps, pack.ids, pack.block_seq[chunk], pack.anchors[chunk], target.embed)
+            yield hidden, pack.labels[chunk], pack.valid[chunk]
+
+
+def packed_loss_backward(drafter, target: FrozenTarget, parts: Sequence[tuple[TrainSequence, torch.Tensor]], weights: torch.Tensor, norm: float, pack_tokens: int, max_cells: int | None = None) -> float:
+    """Weighted CE of all blocks of `parts` divided by `norm`, back-propagated pass by pass;
+    returns the loss value."""
+    weights = weights.to(target.device)
     total = 0.0
-    for chunk in block_chunks(pack, max_cells):
+    for hidden, labels, valid in block_passes(drafter, target, parts, pack_tokens, max_cells):
         with _autocast(target.device):
-            hidden = drafter.forward_blocks(taps, pack.ids, pack.block_seq[chunk], pack.anchors[chunk], target.embed)
-            loss_sum, _ = chunked_weighted_ce(hidden, target.head, pack.labels[chunk], pack.valid[chunk], weights.to(target.device))
+            loss_sum, _ = chunked_weighted_ce(hidden, target.head, labels, valid, weights)
         (loss_sum / norm).backward()
         total += float(loss_sum.detach()) / norm
     return total
@@ -235,21 +250,15 @@ def evaluate(drafter, target: FrozenTarget, sequences: Sequence[TrainSequence], 
     totals = [torch.zeros(bsz - 1, dtype=torch.float64) for _ in range(4)]
     loss_sum, weight_sum = 0.0, 0.0
     parts = [(seq, sample_anchors(seq.prompt_len, seq.ids.numel(), max_anchors, generator)) for seq in sequences]
-    for group in pack_groups(parts, pack_tokens):
-        pack = make_pack([s for s, _ in group], [a for _, a in group], bsz, target.device)
-        taps = target.taps(pack.ids)
-        for chunk in block_chunks(pack, max_cells or default_max_cells(drafter.cfg)):
+    for hidden, labels, valid in block_passes(drafter, target, parts, pack_tokens, max_cells):
+        for start in range(0, hidden.shape[0], 64):  # logits of 64 blocks at a time
+            sl = slice(start, start + 64)
             with _autocast(target.device):
-                hidden = drafter.forward_blocks(taps, pack.ids, pack.block_seq[chunk], pack.anchors[chunk], target.embed)
-            labels, valid = pack.labels[chunk], pack.valid[chunk]
-            for start in range(0, hidden.shape[0], 64):  # logits of 64 blocks at a time
-                sl = slice(start, start + 64)
-                with _autocast(target.device):
-                    logits = target.head(hidden[sl])
-                ls, ws = weighted_block_ce(logits, labels[sl], valid[sl], weights)
-                loss_sum, weight_sum = loss_sum + float(ls), weight_sum + float(ws)
-                for total, part in zip(totals, acceptance_counts(logits.argmax(-1) == labels[sl], valid[sl])):
-                    total += part.cpu()
+                logits = target.head(hidden[sl])
+            ls, ws = weighted_block_ce(logits, labels[sl], valid[sl], weights)
+            loss_sum, weight_sum = loss_sum + float(ls), weight_sum + float(ws)
+            for total, part in zip(totals, acceptance_counts(logits.argmax(-1) == labels[sl], valid[sl])):
+                total += part.cpu()
     drafter.train(was_training)
     summary = acceptance_summary(*totals)
     summary["loss"] = loss_sum / weight_sum if weight_sum else float("nan")
@@ -330,11 +339,8 @@ def train_drafter(drafter, target: FrozenTarget, train: Sequence[TrainSequence],
                     parts.append((seq, anchors))
                 # Normalise by the step's total weight: the weighted mean over all valid slots.
                 norm = sum(float(block_labels(s.ids, a, drafter.block_size)[1].float().mul(weights).sum()) for s, a in parts)
-                loss_value = 0.0
-                max_cells = cfg.max_cells or default_max_cells(drafter.cfg)
-                for group in pack_groups(dist.shard(parts), cfg.pack_tokens):  # this rank's sequences
-                    pack = make_pack([s for s, _ in group], [a for _, a in group], drafter.block_size, device)
-                    loss_value += pack_loss_backward(drafter, target, pack, weights, norm, max_cells)
+                # this rank's sequences of the step
+                loss_value = packed_loss_backward(drafter, target, dist.shard(parts), weights, norm, cfg.pack_tokens, cfg.max_cells)
                 dist.all_reduce_grads(params)
                 loss_value = dist.all_reduce_scalar(loss_value)
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.clip))

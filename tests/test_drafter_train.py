@@ -65,7 +65,7 @@ def test_trained_drafter_beats_untrained_on_heldout_acceptance(tiny_setup):
 def test_packed_step_gradients_equal_one_sequence_at_a_time(tiny_setup, max_cells):
     """Packing sequences into one target pass and chunked drafter passes changes no gradient."""
     from qfd.drafter_losses import slot_weights
-    from qfd.drafter_trainer import FrozenTarget, make_pack, pack_groups, pack_loss_backward, prepare_sequences, sample_anchors, sequence_loss
+    from qfd.drafter_trainer import FrozenTarget, pack_groups, packed_loss_backward, prepare_sequences, sample_anchors, sequence_loss
     from qfd.models.drafter import DFlashDrafter, config_for_target
 
     target_dir, model, records = tiny_setup
@@ -82,10 +82,9 @@ def test_packed_step_gradients_equal_one_sequence_at_a_time(tiny_setup, max_cell
         (loss / 10.0).backward()
     expected = [p.grad.clone() for p in drafter.parameters()]
     drafter.zero_grad()
-    groups = pack_groups(parts, max_tokens=3 * max(s.ids.numel() for s in seqs))
-    assert [len(g) for g in groups] == [3, 2]
-    for group in groups:
-        pack_loss_backward(drafter, target, make_pack([s for s, _ in group], [a for _, a in group], cfg.block_size, "cpu"), weights, 10.0, max_cells)
+    pack_tokens = 3 * max(s.ids.numel() for s in seqs)
+    assert [len(g) for g in pack_groups(parts, pack_tokens)] == [3, 2]
+    packed_loss_backward(drafter, target, parts, weights, 10.0, pack_tokens, max_cells)
     for want, p in zip(expected, drafter.parameters()):
         torch.testing.assert_close(p.grad, want, atol=1e-6, rtol=1e-4)
 
