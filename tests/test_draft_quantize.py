@@ -106,7 +106,7 @@ def test_quantize_user_errors(setup, tmp_path):
 
 
 @pytest.mark.slow
-def test_embedded_gptq_drafter_keeps_acceptance(tmp_path_factory, embedded_model_dir):
+def test_embedded_gptq_drafter_keeps_acceptance(tmp_path_factory, embedded_model_dir, gsm8k_dir):
     """A short stage-1 drafter on the real SmolLM2-135M target (qfd.stages.draft_train), then
     GPTQ from real drafter block forwards: held-out E[tau] within 5% of the unquantized
     drafter's, and every linear's Hessian error no worse than RTN's. The drafter is small and
@@ -117,7 +117,7 @@ def test_embedded_gptq_drafter_keeps_acceptance(tmp_path_factory, embedded_model
     from qfd.stages.draft_train import run as run_train
 
     root = tmp_path_factory.mktemp("dq_embedded")
-    data = run_data(DraftDataConfig(target="smollm2-135m", out=root / "data", num=20, max_new_tokens=64, batch_size=10, device="cpu"))
+    data = run_data(DraftDataConfig(target="smollm2-135m", out=root / "data", prompts=str(gsm8k_dir / "train.jsonl"), num=20, max_new_tokens=64, batch_size=10, device="cpu"))
     drafter = run_train(DraftTrainConfig(stage=1, target="smollm2-135m", out=root / "stage1", data=data, layers=2, steps=40, lr=2e-3,
                                          grad_accum=1, max_anchors=32, eval_fraction=0.1, max_eval=2, eval_anchors=32, device="cpu"))
     out = run(DraftQuantizeConfig(drafter=drafter, target="smollm2-135m", out=root / "int4", data=data, group_size=64, samples=16,
