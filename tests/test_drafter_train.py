@@ -193,6 +193,57 @@ def test_stage1_cli_writes_a_pinned_drafter(tmp_path, tiny_setup):
     assert load_drafter(out).cfg.block_size == 4
 
 
+def test_extra_data_trains_without_the_held_out_prompts(tmp_path, tiny_setup):
+    from qfd.manifest import read_manifest
+
+    target_dir, model, records = tiny_setup
+    data = _data_dir(tmp_path / "data", target_dir, records[:20])
+    extra = _data_dir(tmp_path / "extra", target_dir, records)  # holds the held-out prompts too
+    out = tmp_path / "d"
+    common = ("--stage", 1, "--target", target_dir, "--layers", 1, "--block-size", 4, "--steps", 2, "--grad-accum", 1, "--max-anchors", 8, "--eval-fraction", 0.1)
+    with pytest.raises(QfdError, match="--extra-data adds"):
+        _train_cli(*common, "--extra-data", extra, "--out", out)
+    with pytest.raises(QfdError, match="--gamma"):
+        _train_cli(*common, "--data", data, "--gamma", 0, "--out", out)
+    _train_cli(*common, "--data", data, "--extra-data", extra, "--gamma", 3, "--out", out)
+    manifest = read_manifest(out)
+    # 20 records: 2 held out, 18 train; the extra 40 lose the 2 held-out prompts
+    assert manifest["metrics"]["train_sequences"] == 18 + 38
+    assert manifest["metrics"]["eval_sequences"] == 2
+    assert {p["role"] for p in manifest["parents"]} == {"target", "data", "extra-data-1"}
+
+
+def test_a_run_cut_by_max_minutes_is_saved_and_continues(tmp_path, tiny_setup, monkeypatch):
+    from qfd import drafter_trainer
+    from qfd.manifest import read_manifest
+
+    target_dir, model, records = tiny_setup
+    data = _data_dir(tmp_path / "data", target_dir, records[:10])
+    out = tmp_path / "d"
+    args = ("--stage", 1, "--target", target_dir, "--data", data, "--out", out, "--layers", 1, "--block-size", 4, "--steps", 8, "--grad-accum", 1, "--max-anchors", 8, "--overwrite")
+
+    class Clock:  # one second per reading: --max-minutes 0.1 (6 s) stops after a few steps
+        now = 0.0
+
+        @classmethod
+        def monotonic(cls):
+            cls.now += 1.0
+            return cls.now
+
+    monkeypatch.setattr(drafter_trainer, "time", Clock)
+    _train_cli(*args, "--max-minutes", 0.1)
+    first = read_manifest(out)["metrics"]
+    assert first["stopped_early"] and 0 < first["steps"] < 8
+    state = torch.load(tmp_path / "d.partial" / "_state" / drafter_trainer.STATE_FILE, weights_only=False)
+    assert state["step"] == first["steps"]
+    monkeypatch.undo()
+    _train_cli(*args)
+    second = read_manifest(out)["metrics"]
+    assert second["steps"] == 8 and not second["stopped_early"]
+    assert not (tmp_path / "d.partial").exists()
+    assert second["train_seconds"] > 6  # the first part's (fake-clock) time came with the state
+
+
 @pytest.mark.slow
 def test_embedded_stage1_then_stage2(tmp_path, embedded_model_dir, gsm8k_dir):
     """The real model: stage 1 against BF16, an RTN INT4 target, stage 2 from stage 1.
