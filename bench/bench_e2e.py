@@ -4,11 +4,14 @@ static cache + torch.compile on CUDA) as the outside anchor - side by side in on
 
     python bench/bench_e2e.py --target DIR --drafter DIR [--prompts test.jsonl] [--num 8]
         [--max-new-tokens 256] [--device cuda] [--hf-compile] [--no-hf] [--out e2e.json]
-        [--few-shot K --shots train.jsonl] [--windows 256,1024] [--max-len 8192]
+        [--few-shot K --shots train.jsonl] [--windows 256,1024] [--max-len 8192] [--draft-lens 4,8]
 
 --few-shot K makes long prompts: K solved GSM8K train problems as earlier chat turns before
 each test question. --windows adds rows where the drafter sees only the last W context tokens
 (sliding window, method.md section 3), to report tau before/after SWA on those prompts.
+--draft-lens adds speculative rows that verify only k drafts per step (Engine(draft_len=k);
+the default row is k = B-1): on a CPU, where a verify costs more than a decode step, fewer
+drafts can pay off sooner.
 
 Prints a table (tokens/s, speedup over qfd's BF16 target-only eager and graphed paths, tau)
 and how many speculative outputs are identical to target-only greedy (bf16 kernels may flip
@@ -98,6 +101,7 @@ def main() -> None:
     p.add_argument("--few-shot", type=int, default=0, help="K solved problems before each question (long prompts)")
     p.add_argument("--shots", type=Path, default=Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl")
     p.add_argument("--windows", default="", help="comma-separated drafter sliding windows to add as rows")
+    p.add_argument("--draft-lens", default="", help="comma-separated draft lengths k (1..B-1) to add as speculative rows")
     p.add_argument("--max-len", type=int, default=1024, help="engine context (prompt + new tokens)")
     p.add_argument("--no-eager", action="store_true", help="on CUDA, only the CUDA-graph rows")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
@@ -128,6 +132,9 @@ def main() -> None:
         rows[f"qfd target-only ({label})"] = run_engine(Engine(target, tokenizer, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
     for label, graphed in modes:
         rows[f"qfd + DFlash ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
+    for k in [int(k) for k in args.draft_lens.split(",") if k]:
+        for label, graphed in modes:
+            rows[f"qfd + DFlash, draft length {k} ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, draft_len=k), prompt_ids, args.max_new_tokens)
     full_window = drafter.cfg
     for window in [int(w) for w in args.windows.split(",") if w]:
         drafter.cfg = replace(full_window, sliding_window=window)

@@ -5,15 +5,22 @@ The loop (method.md section 4; DFlash, arXiv 2602.06036):
     prefill the prompt (target, with taps of the drafter's layers) -> first token
     drafter.append_context(prompt taps)
     each step, L = cache.length (committed tokens minus the last one, not yet fed):
-        drafts = drafter.draft(ctx, last, L)                  # B-1 proposals, one forward
-        out = target([last, *drafts], cache, taps)            # verify B tokens, one forward
+        drafts = drafter.draft(ctx, last, L, num_drafts=k)    # k <= B-1 proposals, one forward
+        out = target([last, *drafts], cache, taps)            # verify k+1 tokens, one forward
         verdict = verify(drafts, out.logits)                  # accepted n + bonus token
         cache.rollback(L + n + 1); drafter.append_context(out.taps[:, :n + 1], L)
 
-Target-only decoding is the same loop with B = 1 (no drafts): one code path, so greedy
+Target-only decoding is the same loop with k = 0 (no drafts): one code path, so greedy
 speculative output equals greedy target-only output token for token. Every step verifies
-exactly B tokens (static shapes for CUDA graphs); the end of the token budget truncates the
+exactly k+1 tokens (static shapes for CUDA graphs); the end of the token budget truncates the
 committed chunk instead of shrinking the block, which is why the caches hold max_len + B.
+
+The draft length k (`draft_len`, default B-1) trades acceptance for step cost: the drafter's
+block forward always covers its B slots (it was trained on full MASK blocks), but its LM head
+covers only k slots and the target verifies k+1 tokens. On a GPU a 16-token verify costs about
+a decode step, so k = B-1 is best. On a CPU a multi-token verify costs more than a decode step
+and a step pays off only when tau_k > (draft_k + verify_k) / decode;
+bench/bench_cpu_draft_len.py measures those costs per k.
 """
 
 from __future__ import annotations
@@ -71,7 +78,8 @@ class GenerationConfig:
 @dataclass
 class GenerationStats:
     """Per request. tau: committed tokens per verify step, bonus included (1 without a drafter);
-    accept_per_position[k]: fraction of steps whose draft token k+1 was accepted."""
+    accept_per_position[i]: fraction of steps whose draft token i+1 was accepted (one entry per
+    draft position, k = the engine's draft_len); block_size: tokens verified per step (k + 1)."""
 
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -82,7 +90,7 @@ class GenerationStats:
     total_s: float = 0.0
     tokens_per_s: float = 0.0  # new tokens / total time
     decode_tokens_per_s: float = float("nan")  # after the first token
-    block_size: int = 1
+    block_size: int = 1  # tokens verified per step: draft_len + 1 (1 without a drafter)
     finish_reason: str = "length"  # stop | length | cancelled
 
     def as_dict(self) -> dict[str, Any]:
@@ -153,19 +161,38 @@ def default_eos_ids(tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def check_draft_len(draft_len: int | None, block_size: int | None) -> int:
+    """The draft length k to use: `draft_len` (None: B-1, the whole block) checked against the
+    drafter's block size B (None: no drafter, k = 0). A user error is one QfdError line."""
+    if block_size is None:
+        if draft_len is not None:
+            raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
+        return 0
+    if draft_len is None:
+        return block_size - 1
+    if not 1 <= draft_len <= block_size - 1:
+        raise QfdError(f"--draft-len must be in 1..{block_size - 1} for this drafter (block size {block_size}); got {draft_len}")
+    return int(draft_len)
+
+
 class Engine:
     """One target (+ optional DFlash drafter) with preallocated caches; `generate` serves one
     request at a time (a lock serialises callers)."""
 
-    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool = False):
+    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool = False, draft_len: int | None = None):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.max_len = int(max_len or target.config.max_position_embeddings)
-        self.block_size = drafter.block_size if drafter is not None else 1
+        self.block_size = drafter.block_size if drafter is not None else 1  # the drafter's B
+        # drafts verified per step (k); 0 without a drafter. verify_len = k + 1 tokens per step.
+        self.draft_len = check_draft_len(draft_len, self.block_size if drafter is not None else None)
+        self.verify_len = self.draft_len + 1
         self.tap_layers = tuple(drafter.cfg.target_layer_ids) if drafter is not None else ()
         self.device = target.model.embed_tokens.weight.device
         self.eos_ids = tuple(eos_ids) if eos_ids is not None else default_eos_ids(tokenizer)
-        # + block_size: the last verify of a budget may run past max_len (its tail is discarded)
-        self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.block_size), static=static_cache)
+        # + block_size: the last verify of a budget may run past max_len (its tail is discarded).
+        # max_verify stays >= 16 whatever k is: prompts up to 16 tokens then take the same GDN
+        # kernel (recurrent, not chunked) as in a target-only engine, so prefills match exactly.
+        self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.verify_len), static=static_cache)
         self.draft_cache = drafter.new_cache(self.max_len + self.block_size) if drafter is not None else None
         # The step functions: eager by default; with cuda_graphs the fixed-size verify (and
         # decode) forwards and the drafter's block forward replay captured CUDA graphs.
@@ -175,10 +202,10 @@ class Engine:
             from qfd.models.graphs import StaticDraftStep, StaticTargetSteps
 
             if not self.cache.static:
-                self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.block_size), static=True)
-            self.forward = StaticTargetSteps(target, self.cache, sizes=sorted({1, self.block_size}), tap_layers=self.tap_layers)
+                self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.verify_len), static=True)
+            self.forward = StaticTargetSteps(target, self.cache, sizes=sorted({1, self.verify_len}), tap_layers=self.tap_layers)
             if drafter is not None:
-                self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=target.head)
+                self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=target.head, num_drafts=self.draft_len)
         self._lock = threading.Lock()
         self.on_step: Callable[[dict], None] | None = None  # test hook: called after every rollback
 
@@ -234,8 +261,8 @@ class _Run:
         self.detok = Detokenizer(engine.tokenizer) if engine.tokenizer is not None else None
         self.text = ""  # decoded so far (stop string cut away once found)
         self.emitted = 0  # characters of self.text already given to on_tokens
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=engine.block_size)
-        self.accepted_counts = [0] * (engine.block_size - 1)
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=engine.verify_len)
+        self.accepted_counts = [0] * engine.draft_len
         self.generator = torch.Generator(device=engine.device)
         if config.seed is not None:
             self.generator.manual_seed(config.seed)
@@ -279,7 +306,7 @@ class _Run:
             if e.draft_step is not None:
                 drafts = e.draft_step(last, L)[0]
             else:
-                drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.target.head)[0]
+                drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.target.head, num_drafts=e.draft_len)[0]
             block = torch.cat([block, drafts.view(1, -1).to(block.dtype)], dim=1)
         out = e.forward(block, e.cache, tap_layers=e.tap_layers)
         verdict = verify(drafts, out.logits[0], self.params, None, self.generator)

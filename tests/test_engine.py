@@ -69,10 +69,10 @@ class OracleDrafter:
         cache.length = start_pos + n
 
     @torch.no_grad()
-    def draft(self, cache, first_token, start_pos, embed, head):
+    def draft(self, cache, first_token, start_pos, embed, head, num_drafts=None):
         ids = cache.ids[:start_pos] + [int(first_token)]
         proposals = []
-        for _ in range(self.block_size - 1):
+        for _ in range(self.block_size - 1 if num_drafts is None else num_drafts):
             nxt = int(self.target(torch.tensor([ids])).logits[0, -1].argmax())
             proposals.append(nxt)
             ids.append(nxt)

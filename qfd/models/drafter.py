@@ -337,12 +337,16 @@ class DFlashDrafter(nn.Module):
         cache.length = start_pos + n
 
     @torch.no_grad()
-    def draft(self, cache: DrafterCache, first_token, start_pos: int, embed: Callable, head: Callable, return_logits: bool = False):
+    def draft(self, cache: DrafterCache, first_token, start_pos: int, embed: Callable, head: Callable, return_logits: bool = False, num_drafts: int | None = None):
         """Denoise the block [first_token, MASK x (B-1)] at positions start_pos..start_pos+B-1
         against the cached context (positions < start_pos; the last W with a sliding window).
 
-        first_token: int, [batch] or [batch, 1] long. Returns tokens [batch, B-1] (argmax), and
-        logits [batch, B-1, V] too with return_logits."""
+        first_token: int, [batch] or [batch, 1] long. Returns tokens [batch, k] (argmax), and
+        logits [batch, k, V] too with return_logits, for the first k = num_drafts (default
+        B-1) predicted slots. The block forward always covers all B slots (the drafter was
+        trained on full blocks of MASKs, and the slots attend to each other), so the k tokens
+        equal the first k of a full draft; only the LM head, over a vocabulary-wide matmul per
+        slot, is skipped for the slots nobody will verify."""
         if cache.length < start_pos:
             raise ValueError(f"draft at {start_pos}: the cache holds only {cache.length} context positions")
         device = cache.k.device
@@ -354,7 +358,10 @@ class DFlashDrafter(nn.Module):
         lo = context_window_start(start_pos, self.cfg.sliding_window)
         for i, layer in enumerate(self.layers):
             h = layer(h, positions, cache.k[i, :, :, lo:start_pos], cache.v[i, :, :, lo:start_pos], None)
-        hidden = self.norm(h[:, 1:])
+        k = self.block_size - 1 if num_drafts is None else int(num_drafts)
+        if not 1 <= k <= self.block_size - 1:
+            raise ValueError(f"num_drafts must be in 1..{self.block_size - 1} (got {num_drafts})")
+        hidden = self.norm(h[:, 1 : 1 + k])  # the final norm is per position: slicing first is exact
         weight = getattr(head, "weight", None)
         logits = head(hidden.to(weight.dtype) if weight is not None else hidden)
         tokens = logits.argmax(-1)

@@ -1,4 +1,4 @@
-"""Fixed-shape steps for CUDA graphs: the target's decode (T = 1) and verify (T = B) forwards
+"""Fixed-shape steps for CUDA graphs: the target's decode (T = 1) and verify (T = k + 1) forwards
 over a static cache, and the drafter's block forward over a fixed-size context window.
 
 At batch 1 a step of a small model is launch-bound (environment.md: 44-95 ms per eager
@@ -87,11 +87,15 @@ class StaticTargetSteps:
 class StaticDraftStep:
     """`drafter.draft()` with fixed shapes: the block attends to S context slots gathered from
     the drafter cache (S = the sliding window, else the cache's whole length), padding slots
-    masked. Same tokens as `drafter.draft` (checked on the CPU)."""
+    masked. Same tokens as `drafter.draft` (checked on the CPU). `num_drafts` (default B-1)
+    is fixed at capture: the block forward covers all B slots, the LM head only the first k."""
 
-    def __init__(self, drafter, cache, embed: Callable, head: Callable, use_graphs: bool | None = None):
+    def __init__(self, drafter, cache, embed: Callable, head: Callable, use_graphs: bool | None = None, num_drafts: int | None = None):
         self.drafter, self.cache, self.embed, self.head = drafter, cache, embed, head
         cfg = drafter.cfg
+        self.num_drafts = drafter.block_size - 1 if num_drafts is None else int(num_drafts)
+        if not 1 <= self.num_drafts <= drafter.block_size - 1:
+            raise ValueError(f"num_drafts must be in 1..{drafter.block_size - 1} (got {num_drafts})")
         device = cache.k.device
         self.window = min(cfg.sliding_window or cache.max_len, cache.max_len)
         self.use_graphs = (device.type == "cuda") if use_graphs is None else use_graphs
@@ -124,13 +128,13 @@ class StaticDraftStep:
             k_ctx = cache.k[i].index_select(2, index)
             v_ctx = cache.v[i].index_select(2, index)
             h = layer(h, positions, k_ctx, v_ctx, mask)
-        hidden = d.norm(h[:, 1:])
+        hidden = d.norm(h[:, 1 : 1 + self.num_drafts])
         weight = getattr(self.head, "weight", None)
         return self.head(hidden.to(weight.dtype) if weight is not None else hidden).argmax(-1)
 
     @torch.inference_mode()
     def __call__(self, first_token: int, start_pos: int) -> torch.Tensor:
-        """Draft tokens [1, B-1] for the block at `start_pos` (cache.length >= start_pos)."""
+        """Draft tokens [1, num_drafts] for the block at `start_pos` (cache.length >= start_pos)."""
         if self.cache.length < start_pos:
             raise ValueError(f"draft at {start_pos}: the cache holds only {self.cache.length} context positions")
         self.first.fill_(int(first_token))

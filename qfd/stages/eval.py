@@ -48,6 +48,7 @@ class EvalConfig:
     lengths: str | None = None
     scale: float = 1.0
     prompts: Path | None = None
+    draft_len: int | None = None  # drafts verified per step by the system's engine (None: B-1)
 
 
 @dataclass
@@ -84,6 +85,12 @@ def validate(cfg: EvalConfig) -> dict[str, Any]:
         if not (drafter / "config.json").is_file():
             raise QfdError(f"drafter {drafter} is not a drafter directory (no config.json); pass the output of `qfd draft train`")
         plan["drafter"] = drafter.resolve()
+        from qfd.engine import check_draft_len
+        from qfd.models.drafter import read_drafter_config
+
+        check_draft_len(cfg.draft_len, read_drafter_config(drafter).block_size)
+    elif cfg.draft_len is not None:
+        raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
     backend = resolve_backend(cfg.backend, needs_engine=cfg.drafter is not None)
     plan["backend"] = backend
     quality = [t for t in cfg.tasks if t in QUALITY_TASKS]
@@ -160,7 +167,7 @@ def run(cfg: EvalConfig) -> Path:
         need_quality = [t for t in own_tasks if not (state / f"{system.role}-{t}.json").is_file()]
         need_latency = "latency" in cfg.tasks and not (state / f"{system.role}-latency.json").is_file()
         if need_quality or need_latency:
-            loaded = load_system(system, plan["backend"], device, dtype, max_len=_max_len(cfg, plan))
+            loaded = load_system(system, plan["backend"], device, dtype, max_len=_max_len(cfg, plan), draft_len=cfg.draft_len)
             for task in need_quality:
                 _run_quality(loaded, task, cfg, include_dir, staging.path, state / f"{system.role}-{task}.json", system)
             if need_latency:
@@ -220,7 +227,7 @@ class LoadedSystem:
         self.tokenizer, self.generator, self.timed, self.engine = tokenizer, generator, timed, engine
 
 
-def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: int) -> LoadedSystem:
+def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: int, draft_len: int | None = None) -> LoadedSystem:
     from qfd.harness import EngineGenerator, HFGenerator
     from qfd.latency import engine_timed_generate, hf_timed_generate
 
@@ -241,7 +248,8 @@ def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: 
 
         drafter = load_drafter(system.drafter, device, dtype)
     # The engine preallocates its caches for max_len: no more than this run needs or the model has.
-    engine = Engine(target, tokenizer, drafter=drafter, max_len=min(max_len, int(target.config.max_position_embeddings)))
+    # draft_len concerns the system with the drafter; baselines run target-only
+    engine = Engine(target, tokenizer, drafter=drafter, max_len=min(max_len, int(target.config.max_position_embeddings)), draft_len=draft_len if drafter is not None else None)
     return LoadedSystem(tokenizer, EngineGenerator(engine, tokenizer), engine_timed_generate(engine, device), engine)
 
 

@@ -33,6 +33,7 @@ class GenerateConfig:
     dtype: str = "auto"
     drafter: str | None = None  # DFlash drafter directory: speculative decoding through qfd.engine
     allow_target_mismatch: bool = False
+    draft_len: int | None = None  # drafts verified per step (None: the drafter's B-1)
 
 
 @dataclass
@@ -68,6 +69,10 @@ def check_config(cfg: GenerateConfig) -> None:
         raise QfdError(f"--top-p must be in (0, 1] (got {cfg.top_p})")
     if cfg.top_k < 0:
         raise QfdError(f"--top-k must be >= 0 (got {cfg.top_k}); 0 disables it")
+    if cfg.draft_len is not None and not cfg.drafter:
+        raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
+    if cfg.draft_len is not None and cfg.draft_len < 1:
+        raise QfdError(f"--draft-len must be >= 1 (got {cfg.draft_len})")
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -182,9 +187,11 @@ def run(cfg: GenerateConfig, write: Callable[[str], None] | None = None) -> Deco
     dtype = pick_dtype(cfg.dtype, device)
     drafter = None
     if cfg.drafter:  # checked against the target before the long load
-        from qfd.models.drafter import load_drafter, verify_drafter_target
+        from qfd.engine import check_draft_len
+        from qfd.models.drafter import load_drafter, read_drafter_config, verify_drafter_target
 
         verify_drafter_target(cfg.drafter, model_dir.path, allow_mismatch=cfg.allow_target_mismatch)
+        check_draft_len(cfg.draft_len, read_drafter_config(cfg.drafter).block_size)  # the upper bound is the drafter's B-1
     model, tokenizer = load_target(model_dir, device, dtype)
     if cfg.drafter:
         drafter = load_drafter(cfg.drafter, device, dtype)
@@ -213,7 +220,7 @@ def _run_engine(model, tokenizer, prompt_ids, cfg: GenerateConfig, stop_ids, wri
     """The same generation through qfd.engine (where speculative decoding lives)."""
     from qfd.engine import Engine, GenerationConfig
 
-    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids)
+    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids, draft_len=cfg.draft_len)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
     result = engine.generate(prompt_ids, gen, on_tokens=lambda ids, text: write(text) if text else None)
     stats = result.stats

@@ -27,6 +27,7 @@ class ServeConfig:
     model_name: str | None = None  # the id clients pass as `model`; default: the target's name
     engine: str = "qfd"  # qfd (this package's engine) or vllm (export, then `vllm serve`)
     export_dir: Path | None = None  # --engine vllm: where the export goes (default: the qfd cache)
+    draft_len: int | None = None  # drafts verified per step (None: the drafter's B-1)
 
 
 def is_loopback(host: str) -> bool:
@@ -45,6 +46,10 @@ def check_config(cfg: ServeConfig) -> None:
         raise QfdError("--api-key is empty; give a non-empty key or drop the option")
     if cfg.max_len is not None and cfg.max_len < 2:
         raise QfdError(f"--max-len must be >= 2 (got {cfg.max_len})")
+    if cfg.draft_len is not None and not cfg.drafter:
+        raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
+    if cfg.draft_len is not None and cfg.draft_len < 1:
+        raise QfdError(f"--draft-len must be >= 1 (got {cfg.draft_len})")
 
 
 def build(cfg: ServeConfig):
@@ -64,9 +69,11 @@ def build(cfg: ServeConfig):
         drafter_dir = Path(cfg.drafter).expanduser()
         if not drafter_dir.is_dir():
             raise QfdError(f"drafter directory {drafter_dir} does not exist")
-        from qfd.models.drafter import verify_drafter_target
+        from qfd.engine import check_draft_len
+        from qfd.models.drafter import read_drafter_config, verify_drafter_target
 
         verify_drafter_target(drafter_dir, model_dir.path, allow_mismatch=cfg.allow_target_mismatch)
+        check_draft_len(cfg.draft_len, read_drafter_config(drafter_dir).block_size)  # before the long load
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
     target, tokenizer = load_target(model_dir, device, dtype)
@@ -78,7 +85,7 @@ def build(cfg: ServeConfig):
 
         drafter = load_drafter(drafter_dir, device, dtype)
     max_len = cfg.max_len or target.config.max_position_embeddings
-    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer))
+    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer), draft_len=cfg.draft_len)
     name = cfg.model_name or (cfg.target if not Path(cfg.target).expanduser().exists() else model_dir.path.name)
     if not is_loopback(cfg.host) and not cfg.api_key:
         console.print(f"[bold yellow]warning:[/bold yellow] serving on {cfg.host} without --api-key: anyone who can reach this port can use the model", highlight=False)
@@ -118,6 +125,9 @@ def run_vllm(cfg: ServeConfig) -> None:
     from qfd.manifest import fingerprint, is_complete
 
     check_config(cfg)
+    if cfg.draft_len is not None:
+        # vLLM takes its draft count from the export's speculative config (B-1); not mapped here
+        raise QfdError("--draft-len applies to --engine qfd; vLLM drafts the export's num_speculative_tokens")
     if shutil.which("vllm") is None:
         raise QfdError("--engine vllm: vLLM is not installed here (no `vllm` on PATH); install it on a CUDA machine (pip install vllm), or use --engine qfd")
     target = resolve_model(cfg.target)
@@ -147,7 +157,7 @@ def run(cfg: ServeConfig) -> Path:
     server = build(cfg)
     host, port = server.server_address[:2]
     engine = server.app.engine
-    mode = f"speculative (DFlash, block {engine.block_size})" if engine.drafter is not None else "target-only"
+    mode = f"speculative (DFlash, block {engine.block_size}, {engine.draft_len} drafts per step)" if engine.drafter is not None else "target-only"
     console.print(f"[bold green]qfd serve[/bold green] model [bold]{server.app.model_name}[/bold], {mode}, context {engine.max_len}, on http://{host}:{port}/v1", highlight=False)
     try:
         server.serve_forever(poll_interval=0.2)
