@@ -320,7 +320,8 @@ def train_drafter(drafter, target: FrozenTarget, train: Sequence[TrainSequence],
         with progress_bar() as bar:
             task = bar.add_task("training drafter", total=total_steps, completed=step, visible=progress and writes)
             while step < total_steps:
-                if cfg.max_minutes is not None and elapsed_before + time.monotonic() - started > 60 * cfg.max_minutes:
+                # this invocation's time: a continued run gets its own --max-minutes
+                if cfg.max_minutes is not None and time.monotonic() - started > 60 * cfg.max_minutes:
                     stopped_early = True
                 if cfg.max_minutes is not None and dist.world > 1:  # every rank stops at the same step
                     stopped_early = dist.all_reduce_scalar(stopped_early) > 0

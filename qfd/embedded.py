@@ -68,8 +68,12 @@ def _convert(name: str, out: Path) -> None:
     source = gguf_path(name)
     console.print(f"[dim]converting built-in model {name} from {source.name} into {out} (once)[/dim]")
     staging = Staging(out, overwrite=True, fresh=True)
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    # local_files_only: the GGUF is local, and transformers writes this flag into the saved
+    # tokenizer_config.json (True under HF_HUB_OFFLINE, else False): fixed here, the converted
+    # checkpoint and its fingerprint are the same in every environment, so a drafter trained on
+    # one machine is accepted for the same target on another.
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name, local_files_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32, local_files_only=True)
     # The GGUF's quantization_config describes the file we read, not the weights we save, and
     # transformers refuses to save a model it considers GGUF-quantized: rebuild a plain one.
     config = loaded.config

@@ -236,6 +236,9 @@ def test_a_run_cut_by_max_minutes_is_saved_and_continues(tmp_path, tiny_setup, m
     assert first["stopped_early"] and 0 < first["steps"] < 8
     state = torch.load(tmp_path / "d.partial" / "_state" / drafter_trainer.STATE_FILE, weights_only=False)
     assert state["step"] == first["steps"]
+    _train_cli(*args, "--max-minutes", 0.1)  # the same command: a few more steps, not zero
+    middle = read_manifest(out)["metrics"]
+    assert first["steps"] < middle["steps"] < 8 and middle["stopped_early"]
     monkeypatch.undo()
     _train_cli(*args)
     second = read_manifest(out)["metrics"]

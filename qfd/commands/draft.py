@@ -77,7 +77,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         max_len: int = typer.Option(3072, "--max-len"),
         eval_fraction: float = typer.Option(0.05, "--eval-fraction", help="Held-out share of the data for E[tau]."),
         max_eval: int = typer.Option(64, "--max-eval"),
-        max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop training after this long; the drafter is saved and the same command with --overwrite continues the schedule."),
+        max_minutes: Optional[float] = typer.Option(None, "--max-minutes", help="Stop this invocation's training after this long; the drafter is saved, and the same command with --overwrite continues the schedule (for up to --max-minutes more)."),
         seed: int = typer.Option(0, "--seed"),
         device: str = typer.Option("auto", "--device"),
         dtype: str = typer.Option("auto", "--dtype", help="Target dtype (auto: bf16 on CUDA, fp32 on CPU)."),

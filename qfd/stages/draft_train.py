@@ -194,7 +194,7 @@ def run(cfg: DraftTrainConfig) -> Path:
     before = evaluate(drafter, frozen, eval_seqs, cfg.eval_anchors, cfg.seed, gamma=cfg.gamma) if eval_seqs and dist.is_main else None
     result = train_drafter(drafter, frozen, train_seqs, train_cfg, state_dir=state_dir, log_path=staging.path / "train_log.jsonl", dist=dist)
     if result["stopped_early"] and dist.is_main:
-        console.print(f"[bold yellow]warning:[/bold yellow] --max-minutes stopped training at step {result['steps']}/{result['total_steps']}, part-way through a learning-rate schedule planned for {result['total_steps']} steps; the drafter is saved as it is, and the same command with --overwrite (and any --max-minutes) continues the schedule from its state in {staging.path}", highlight=False)
+        console.print(f"[bold yellow]warning:[/bold yellow] --max-minutes stopped training at step {result['steps']}/{result['total_steps']}, part-way through a learning-rate schedule planned for {result['total_steps']} steps; the drafter is saved as it is, and the same command with --overwrite continues the schedule (for --max-minutes more) from its state in {staging.path}", highlight=False)
     save_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     def finish() -> Path:  # rank 0: held-out E[tau] after training, drafter, plot, manifest
@@ -281,7 +281,7 @@ def _plot(path: Path, history: list[dict], before, after) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
     if history:
         ax1.plot([h["step"] for h in history], [h["loss"] for h in history], lw=1)
-    ax1.set(xlabel="optimizer step", ylabel="weighted CE", title="training loss")
+    ax1.set(xlabel="optimizer step", ylabel="weighted CE", title="training loss", yscale="log")
     for label, summary in (("before", before), ("after", after)):
         if summary is not None:
             acc = summary["conditional_acceptance_per_position"]
