@@ -213,6 +213,24 @@ def test_extra_data_trains_without_the_held_out_prompts(tmp_path, tiny_setup):
     assert {p["role"] for p in manifest["parents"]} == {"target", "data", "extra-data-1"}
 
 
+def test_stage1_warm_start_begins_where_the_init_drafter_ended(tmp_path, tiny_setup, capsys):
+    from qfd.manifest import read_manifest
+
+    target_dir, model, records = tiny_setup
+    data = _data_dir(tmp_path / "data", target_dir, records)
+    common = ("--stage", 1, "--target", target_dir, "--data", data, "--layers", 1, "--block-size", 4, "--grad-accum", 2, "--max-anchors", 8, "--eval-fraction", 0.1)
+    _train_cli(*common, "--steps", 20, "--lr", 3e-3, "--out", tmp_path / "first")
+    first = read_manifest(tmp_path / "first")["metrics"]
+    _train_cli(*common, "--steps", 2, "--lr", 1e-4, "--init", tmp_path / "first", "--out", tmp_path / "second")
+    second = read_manifest(tmp_path / "second")
+    # same data, seed and held-out split: the warm start is evaluated where the first run ended
+    assert second["metrics"]["init_expected_acceptance_length"] == pytest.approx(first["expected_acceptance_length"], abs=1e-6)
+    assert first["expected_acceptance_length"] > 1.0
+    assert {p["role"] for p in second["parents"]} == {"target", "data", "init"}
+    printed = capsys.readouterr()
+    assert "not in the lineage" not in printed.out + printed.err
+
+
 def test_a_run_cut_by_max_minutes_is_saved_and_continues(tmp_path, tiny_setup, monkeypatch):
     from qfd import drafter_trainer
     from qfd.manifest import read_manifest

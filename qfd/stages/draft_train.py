@@ -32,7 +32,7 @@ class DraftTrainConfig:
     temperature: float = 0.0
     thinking: bool = False
     gen_batch_size: int = 8
-    init: Path | None = None  # stage 2: the stage-1 drafter
+    init: Path | None = None  # stage 2: the stage-1 drafter; stage 1: an earlier drafter to warm-start from
     layers: int = 5
     block_size: int = 16
     taps: tuple[int, ...] | None = None
@@ -76,8 +76,9 @@ def _check_inputs(cfg: DraftTrainConfig, target) -> None:
     if cfg.stage == 1:
         if target.is_quantized:
             raise QfdError(f"--stage 1 trains against the BF16 target, but {target.path} is quantized (quantization_config); pass the BF16 model, or use --stage 2 --init STAGE1DIR")
-        if cfg.init is not None:
-            raise QfdError("--init is for --stage 2 (start from the stage-1 drafter); stage 1 trains from scratch")
+        if cfg.init is not None:  # a warm start: an earlier stage-1 drafter, a new schedule
+            check_compatible(read_drafter_config(cfg.init), target.config, where=f"--init drafter {cfg.init}")
+            _warn_lineage(Path(cfg.init), target.path)
         if cfg.block_size < 2 or cfg.layers < 1:
             raise QfdError("--block-size must be >= 2 and --layers >= 1")
     else:
@@ -91,12 +92,13 @@ def _check_inputs(cfg: DraftTrainConfig, target) -> None:
 
 
 def _warn_lineage(init: Path, target: Path) -> None:
-    """Stage 2 should continue a drafter trained on the BF16 parent of this INT4 target."""
+    """Stage 2 should continue a drafter trained on the BF16 parent of this INT4 target; a
+    stage-1 warm start, one trained on this very target."""
     from qfd.console import console
-    from qfd.manifest import read_manifest
+    from qfd.manifest import fingerprint, read_manifest
 
     pinned = next((p["fingerprint"] for p in (read_manifest(init) or {}).get("parents", []) if p.get("role") == "target"), None)
-    seen, frontier = set(), [target]
+    seen, frontier = {fingerprint(target)}, [target]
     for _ in range(8):
         next_frontier = []
         for directory in frontier:
@@ -168,7 +170,7 @@ def run(cfg: DraftTrainConfig) -> Path:
         records, generation_seconds = dist.on_main(lambda: generate_into(state_dir / "data.jsonl", target.path, prompts, _GenCfg(cfg), device, dtype))
         check_responses(records, cfg.prompts or "the default prompts")
 
-    if cfg.stage == 1:
+    if cfg.init is None:  # stage 1 from scratch (stage 2 always has --init)
         torch.manual_seed(cfg.seed)
         drafter_cfg = config_for_target(target.config, tokenizer, num_layers=cfg.layers, block_size=cfg.block_size, taps=cfg.taps, num_taps=cfg.num_taps, sliding_window=cfg.sliding_window)
         drafter = DFlashDrafter(drafter_cfg)
@@ -188,7 +190,7 @@ def run(cfg: DraftTrainConfig) -> Path:
 
     model = load_hf_causal_lm(target.path, device=device, dtype=dtype)
     frozen = FrozenTarget(model, drafter.cfg.target_layer_ids)
-    if cfg.stage == 1:
+    if cfg.init is None:
         _init_final_norm(drafter, model)
     console.print(f"[dim]drafter: {num_parameters(drafter) / 1e6:.1f}M parameters, {drafter.cfg.num_hidden_layers} layers, taps {list(drafter.cfg.target_layer_ids)}, block {drafter.block_size}, mask id {drafter.mask_token_id}; {len(train_seqs)} train / {len(eval_seqs)} held-out sequences[/dim]", highlight=False)
     before = evaluate(drafter, frozen, eval_seqs, cfg.eval_anchors, cfg.seed, gamma=cfg.gamma) if eval_seqs and dist.is_main else None
