@@ -11,7 +11,8 @@
 #               for 16 prompts), then long few-shot prompts with the
 #               drafter's sliding window (tau before/after SWA)
 # Sizes come from the environment so the same script runs a tiny version on a CPU box:
-#   NUM, GEN_TOKENS, GEN_BATCH, SAMPLE_T, EPOCHS or STEPS, GRAD_ACCUM, LR, GAMMA, BUDGET_S, WEIGHTS,
+#   NUM, GEN_TOKENS, GEN_BATCH, SAMPLE_T, EPOCHS or STEPS, GRAD_ACCUM, LR, GAMMA, INIT (a drafter to
+#   warm-start from), BUDGET_S, WEIGHTS,
 #   DEVICE, E2E_NUM, E2E_FLAGS (e.g. "--hf-compile --no-eager"), LONG_NUM (0: skip), SHOTS, WINDOWS
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -57,7 +58,7 @@ train)
     echo "training for at most $minutes minutes in this call"
     start=$SECONDS
     python3 -m qfd draft train --stage 1 --target smollm2-135m --data "$ROOT/data" "${extra[@]}" \
-        ${STEPS:+--steps $STEPS} --epochs "${EPOCHS:-2}" --grad-accum "${GRAD_ACCUM:-8}" --lr "${LR:-1e-3}" ${GAMMA:+--gamma $GAMMA} \
+        ${STEPS:+--steps $STEPS} --epochs "${EPOCHS:-2}" --grad-accum "${GRAD_ACCUM:-8}" --lr "${LR:-1e-3}" ${GAMMA:+--gamma $GAMMA} ${INIT:+--init $INIT} \
         --max-minutes "$minutes" --device "$DEVICE" --out "$ROOT/draft1" --overwrite 2>&1 | grep -v Warning | tee -a "$OUT/train.log" || exit 1
     echo "train: $((SECONDS - start)) s"
     # the drafter comes back in parts (returned files are at most 16 MiB each)
