@@ -179,32 +179,33 @@ def test_caches_after_every_rollback_equal_a_fresh_run(targets, tiny_checkpoints
     assert 0 in accepted_seen and 7 in accepted_seen
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_sampled_tokens_follow_the_target_distribution(targets, speculative):
+def assert_first_two_tokens_follow_the_target(target, engine, prompt, n: int = 400) -> None:
     """Joint distribution of the first two generated tokens (the second comes from a verify
-    step) under top-k 3 sampling: chi-square against the exact target probabilities."""
-    target = targets["qwen3_5"]
-    prompt = prompt_ids(8)
+    step) under top-k 3 sampling at T = 1.5: chi-square against the exact target probabilities."""
     params = SamplingParams(temperature=1.5, top_k=3)
     with torch.no_grad():
         p1 = target_probs(target(torch.tensor([prompt])).logits[0, -1], params)
-        firsts = p1.nonzero().view(-1).tolist()
         joint = {}
-        for t1 in firsts:
+        for t1 in p1.nonzero().view(-1).tolist():
             p2 = target_probs(target(torch.tensor([prompt + [t1]])).logits[0, -1], params)
             for t2 in p2.nonzero().view(-1).tolist():
                 joint[(t1, t2)] = float(p1[t1] * p2[t2])
-    drafter = OracleDrafter(target, prompt, block_size=3) if speculative else None
-    engine = Engine(target, drafter=drafter, max_len=64)
     counts = {pair: 0 for pair in joint}
-    N = 400
-    for seed in range(N):
+    for seed in range(n):
         tokens = engine.generate(prompt, GenerationConfig(max_new_tokens=2, temperature=1.5, top_k=3, seed=seed, ignore_eos=True)).tokens
         counts[tuple(tokens)] += 1  # KeyError: a pair the target gives probability 0
     keys = sorted(joint)
     expected = torch.tensor([joint[k] for k in keys], dtype=torch.float64)
-    expected = expected / expected.sum() * N
+    expected = expected / expected.sum() * n
     assert chisquare([counts[k] for k in keys], expected.numpy()).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_sampled_tokens_follow_the_target_distribution(targets, speculative):
+    target = targets["qwen3_5"]
+    prompt = prompt_ids(8)
+    drafter = OracleDrafter(target, prompt, block_size=3) if speculative else None
+    assert_first_two_tokens_follow_the_target(target, Engine(target, drafter=drafter, max_len=64), prompt)
 
 
 class FakeTokenizer:
