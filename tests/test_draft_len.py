@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from qfd.engine import Engine, GenerationConfig
+from qfd.engine import Engine
 from qfd.errors import QfdError
 from qfd.models.graphs import StaticDraftStep
 from tests.test_engine import HYBRID_AND_DENSE, assert_first_two_tokens_follow_the_target, NEW, OracleDrafter, greedy, make_drafter, one_thread, prompt_ids, reference, targets  # noqa: F401 (fixtures)
