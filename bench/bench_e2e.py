@@ -5,13 +5,16 @@ static cache + torch.compile on CUDA) as the outside anchor - side by side in on
     python bench/bench_e2e.py --target DIR --drafter DIR [--prompts test.jsonl] [--num 8]
         [--max-new-tokens 256] [--device cuda] [--hf-compile] [--no-hf] [--out e2e.json]
         [--few-shot K --shots train.jsonl] [--windows 256,1024] [--max-len 8192] [--draft-lens 4,8]
+        [--compile]
 
 --few-shot K makes long prompts: K solved GSM8K train problems as earlier chat turns before
 each test question. --windows adds rows where the drafter sees only the last W context tokens
 (sliding window, method.md section 3), to report tau before/after SWA on those prompts.
 --draft-lens adds speculative rows that verify only k drafts per step (Engine(draft_len=k);
 the default row is k = B-1): on a CPU, where a verify costs more than a decode step, fewer
-drafts can pay off sooner.
+drafts can pay off sooner. --compile adds a target-only and a DFlash row whose fixed-shape steps
+are torch.compile'd before CUDA-graph capture (Engine(compile_steps=True); on a CPU the compiled
+steps run without graphs); a compile failure is printed and the other rows kept.
 
 Prints a table (tokens/s, speedup over qfd's BF16 target-only eager and graphed paths, tau)
 and how many speculative outputs are identical to target-only greedy (bf16 kernels may flip
@@ -104,6 +107,7 @@ def main() -> None:
     p.add_argument("--draft-lens", default="", help="comma-separated draft lengths k (1..B-1) to add as speculative rows")
     p.add_argument("--max-len", type=int, default=1024, help="engine context (prompt + new tokens)")
     p.add_argument("--no-eager", action="store_true", help="on CUDA, only the CUDA-graph rows")
+    p.add_argument("--compile", action="store_true", help="also rows with the fixed-shape steps torch.compile'd before CUDA-graph capture")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
     args = p.parse_args()
 
@@ -128,10 +132,25 @@ def main() -> None:
     graphs = device.type == "cuda"
     eager = not (graphs and args.no_eager)
     modes = ([("eager", False)] if eager else []) + ([("CUDA graphs", True)] if graphs else [])
+    compiled = "CUDA graphs + compile" if graphs else "static + compile"
+
+    def compiled_row(name, **engine_args):  # a compile failure must not lose the other rows
+        try:
+            start = time.perf_counter()
+            engine = Engine(target, tokenizer, max_len=max_len, compile_steps=True, **engine_args)
+            build_s = time.perf_counter() - start  # compile + warm-up + capture: the slow first start
+            rows[name] = run_engine(engine, prompt_ids, args.max_new_tokens) | {"build_s": build_s}
+        except Exception as exc:
+            print(f"{name} failed: {type(exc).__name__}: {exc}")
+
     for label, graphed in modes:
         rows[f"qfd target-only ({label})"] = run_engine(Engine(target, tokenizer, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
+    if args.compile:
+        compiled_row(f"qfd target-only ({compiled})")
     for label, graphed in modes:
         rows[f"qfd + DFlash ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
+    if args.compile:
+        compiled_row(f"qfd + DFlash ({compiled})", drafter=drafter)
     for k in [int(k) for k in args.draft_lens.split(",") if k]:
         for label, graphed in modes:
             rows[f"qfd + DFlash, draft length {k} ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, draft_len=k), prompt_ids, args.max_new_tokens)

@@ -10,11 +10,12 @@ acceptance: the speedup printed is a PROJECTION at a given tau (default the pape
 
 with every term measured here in one run (CUDA graphs for decode / verify / draft on CUDA).
 
-    python bench/bench_steps.py --device cuda [--shape qwen3.5-4b|tiny] [--tau 5.03] [--draft-len K] [--out steps.json]
+    python bench/bench_steps.py --device cuda [--shape qwen3.5-4b|tiny] [--tau 5.03] [--draft-len K] [--compile] [--out steps.json]
 
 --draft-len K times a step that drafts K <= B-1 tokens (the drafter's LM head over K slots)
 and verifies K+1 (Engine(draft_len=K)); the default is the whole block. On a CPU see also
-bench/bench_cpu_draft_len.py, which sweeps K on the embedded model.
+bench/bench_cpu_draft_len.py, which sweeps K on the embedded model. --compile torch.compiles
+every fixed-shape step (decode, verify, draft) before its CUDA-graph capture (Engine(compile_steps=True)).
 """
 
 from __future__ import annotations
@@ -91,10 +92,10 @@ def build_target(shape: dict, device, dtype, int4: bool, group_size: int) -> Tar
     return model.eval()
 
 
-def target_costs(model, max_len, block, measure, device, taps) -> dict:
+def target_costs(model, max_len, block, measure, device, taps, compile_steps=False) -> dict:
     """`block`: tokens per verify (draft length + 1)."""
     cache = model.new_cache(max_len, static=True, max_verify=max(16, block))
-    steps = StaticTargetSteps(model, cache, sizes=(1, block), tap_layers=taps)
+    steps = StaticTargetSteps(model, cache, sizes=(1, block), tap_layers=taps, compile=compile_steps)
     out = {}
     with torch.inference_mode():
         for name, (n_in, _) in SETTINGS.items():
@@ -132,7 +133,7 @@ def target_costs(model, max_len, block, measure, device, taps) -> dict:
     return out
 
 
-def drafter_costs(shape, embed, head, device, dtype, block, measure, num_drafts=None) -> dict:
+def drafter_costs(shape, embed, head, device, dtype, block, measure, num_drafts=None, compile_steps=False) -> dict:
     out = {}
     for window in (None, 1024):
         cfg = config_for_target(shape, num_layers=5, block_size=block, sliding_window=window, mask_token_id=shape["vocab_size"] - 1)
@@ -143,7 +144,7 @@ def drafter_costs(shape, embed, head, device, dtype, block, measure, num_drafts=
             taps = torch.randn(1, context, len(cfg.target_layer_ids) * cfg.target_hidden_size, device=device, dtype=dtype)
             with torch.inference_mode():
                 drafter.append_context(cache, taps, 0)
-            step = StaticDraftStep(drafter, cache, embed=embed, head=head, num_drafts=num_drafts)
+            step = StaticDraftStep(drafter, cache, embed=embed, head=head, num_drafts=num_drafts, compile=compile_steps)
             label = f"w{window or 'full'}_ctx{context}"
             out[f"draft_{label}_ms"] = measure(lambda: step(5, context))
             new = taps[:, : (num_drafts or block - 1) + 1]  # the most one step commits
@@ -164,6 +165,7 @@ def main() -> None:
     p.add_argument("--block", type=int, default=16)
     p.add_argument("--draft-len", type=int, default=None, help="drafts per step K (1..block-1; default block-1): verify K+1 tokens")
     p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape steps before CUDA-graph capture")
     p.add_argument("--out", type=Path, default=Path("bench_steps.json"))
     args = p.parse_args()
     draft_len = args.block - 1 if args.draft_len is None else args.draft_len
@@ -180,20 +182,20 @@ def main() -> None:
     max_len = longest + 300 + 2 * args.block
     taps = config_for_target(shape, mask_token_id=0).target_layer_ids
 
-    results = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len}
+    results = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures
         args.out.write_text(json.dumps(results, indent=2))
 
     bf16 = build_target(shape, device, dtype, int4=False, group_size=args.group_size)
-    results["bf16"] = target_costs(bf16, max_len, verify_len, measure, device, ())
+    results["bf16"] = target_costs(bf16, max_len, verify_len, measure, device, (), args.compile)
     save()
     del bf16
     torch.cuda.empty_cache() if device.type == "cuda" else None
     int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size)
-    results["int4"] = target_costs(int4, max_len, verify_len, measure, device, taps)
+    results["int4"] = target_costs(int4, max_len, verify_len, measure, device, taps, args.compile)
     save()
-    results["drafter"] = drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, num_drafts=draft_len)
+    results["drafter"] = drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, num_drafts=draft_len, compile_steps=args.compile)
     if device.type == "cuda":
         results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     save()
@@ -222,7 +224,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"step costs ({args.shape}, {results['device']}, {draft_len} drafts / {verify_len}-token verify) and PROJECTED speedup at tau={args.tau}")
+    table = Table(title=f"step costs ({args.shape}, {results['device']}, {draft_len} drafts / {verify_len}-token verify{', compiled' if args.compile else ''}) and PROJECTED speedup at tau={args.tau}")
     for col in ("setting", "bf16 decode ms", "int4 decode ms", "spec step ms", "step/int4", "bf16 total ms", "int4 total ms", "spec total ms", "x int4", "x spec"):
         table.add_column(col, justify="right")
     for r in rows:

@@ -179,7 +179,7 @@ class Engine:
     """One target (+ optional DFlash drafter) with preallocated caches; `generate` serves one
     request at a time (a lock serialises callers)."""
 
-    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool = False, draft_len: int | None = None):
+    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool = False, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor"):
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.max_len = int(max_len or target.config.max_position_embeddings)
         self.block_size = drafter.block_size if drafter is not None else 1  # the drafter's B
@@ -195,17 +195,23 @@ class Engine:
         self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.verify_len), static=static_cache)
         self.draft_cache = drafter.new_cache(self.max_len + self.block_size) if drafter is not None else None
         # The step functions: eager by default; with cuda_graphs the fixed-size verify (and
-        # decode) forwards and the drafter's block forward replay captured CUDA graphs.
+        # decode) forwards and the drafter's block forward replay captured CUDA graphs (on the
+        # CPU the same fixed-shape code runs eagerly). compile_steps implies that static path and
+        # torch.compiles each step function first (qfd.models.graphs.compile_step; CLI --compile):
+        # on CUDA the graphs then replay inductor's fused kernels. compile_backend: "inductor",
+        # or e.g. "aot_eager" (tests: the same graph capture without code generation).
         self.forward = target
         self.draft_step = None
-        if cuda_graphs:
+        self.compile_steps = bool(compile_steps)
+        if cuda_graphs or compile_steps:
             from qfd.models.graphs import StaticDraftStep, StaticTargetSteps
 
             if not self.cache.static:
                 self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.verify_len), static=True)
-            self.forward = StaticTargetSteps(target, self.cache, sizes=sorted({1, self.verify_len}), tap_layers=self.tap_layers)
+            compile_args = dict(compile=self.compile_steps, compile_backend=compile_backend)
+            self.forward = StaticTargetSteps(target, self.cache, sizes=sorted({1, self.verify_len}), tap_layers=self.tap_layers, **compile_args)
             if drafter is not None:
-                self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=target.head, num_drafts=self.draft_len)
+                self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=target.head, num_drafts=self.draft_len, **compile_args)
         self._lock = threading.Lock()
         self.on_step: Callable[[dict], None] | None = None  # test hook: called after every rollback
 

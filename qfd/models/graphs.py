@@ -11,6 +11,15 @@ context by position, so here it reads a fixed window of S context slots instead
 (S = sliding window W, or the whole cache) through an index tensor, masking slots that do
 not exist yet. With `use_graphs=False` (the CPU) the same fixed-shape code runs eagerly: tests
 check on the CPU that it equals the dynamic path exactly.
+
+With `compile=True` each fixed-shape step function (the target's `forward_at` per size, the
+drafter's window block forward) is first wrapped in `torch.compile` (`compile_step`: one
+whole graph, static shapes, inductor's default mode) and only then warmed up and captured: the
+graph then replays inductor's fused kernels (RMSNorm, RoPE, SiLU*mul, residual adds) instead
+of one kernel per eager op. Inductor's own CUDA graphs ("reduce-overhead") stay off: we
+capture ourselves. Without graphs (the CPU) the compiled function runs as it is; either way
+it compiles once per size, at construction (warm-up), never per step: every input is a static
+buffer and nothing the step reads changes between calls.
 """
 
 from __future__ import annotations
@@ -22,19 +31,31 @@ import torch
 from qfd.models.target import TargetOutput
 
 
+def compile_step(fn: Callable, backend: str | Callable = "inductor") -> Callable:
+    """`torch.compile` for a fixed-shape step that the caller captures in a CUDA graph itself:
+    one graph (a graph break would be an error), no dynamic shapes (one compile per size), and
+    mode "default" - not "reduce-overhead", whose CUDA graphs would clash with our capture.
+    `backend`: "inductor" (fusion, what the GPU wants); tests use "aot_eager" (same capture
+    and guards, no codegen) or a counting backend."""
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode="default", backend=backend)
+
+
 class StaticTargetSteps:
     """Replays `model.forward_at` for fixed token counts (e.g. 1 and 16) over `cache`.
 
     Call it like the model: `steps(input_ids, cache, tap_layers=...)` with T in `sizes` uses
     the captured graph; anything else (the prefill) runs the model eagerly. Outputs of a replay
-    live in static buffers that the next replay overwrites: consume them first."""
+    live in static buffers that the next replay overwrites: consume them first.
+    `compile`: torch.compile `forward_at` (see `compile_step`) before warm-up and capture."""
 
-    def __init__(self, model, cache, sizes: Sequence[int] = (1, 16), tap_layers: Sequence[int] = (), use_graphs: bool | None = None):
+    def __init__(self, model, cache, sizes: Sequence[int] = (1, 16), tap_layers: Sequence[int] = (), use_graphs: bool | None = None, compile: bool = False, compile_backend: str | Callable = "inductor"):
         if not cache.static:
             raise ValueError("StaticTargetSteps needs a cache made with static=True (fixed attention shapes)")
         self.model, self.cache, self.tap_layers = model, cache, tuple(tap_layers)
         device = model.model.embed_tokens.weight.device
         self.use_graphs = (device.type == "cuda") if use_graphs is None else use_graphs
+        self.compiled = bool(compile)
+        self.step_fn = compile_step(model.forward_at, compile_backend) if compile else model.forward_at
         self.steps: dict[int, dict] = {}
         for size in sizes:
             self.steps[size] = self._capture(size, device)
@@ -45,9 +66,12 @@ class StaticTargetSteps:
         positions = torch.arange(size, device=device)
         base = torch.arange(size, device=device)
         step = {"ids": ids, "positions": positions, "base": base, "graph": None}
+        run = lambda: self.step_fn(ids, self.cache, positions, self.tap_layers)  # noqa: E731
         if not self.use_graphs:
+            if self.compiled:
+                with torch.inference_mode():  # compile now (as __call__ runs it), not in the first request
+                    run()
             return step
-        run = lambda: self.model.forward_at(ids, self.cache, positions, self.tap_layers)  # noqa: E731
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -73,7 +97,8 @@ class StaticTargetSteps:
         step["ids"].copy_(input_ids)
         torch.add(step["base"], start, out=step["positions"])
         if step["graph"] is None:
-            out = self.model.forward_at(step["ids"], self.cache, step["positions"], self.tap_layers)
+            with torch.inference_mode():  # as at capture / compile: a compiled step is guarded on it
+                out = self.step_fn(step["ids"], self.cache, step["positions"], self.tap_layers)
         else:
             step["graph"].replay()
             out = step["out"]
@@ -88,9 +113,10 @@ class StaticDraftStep:
     """`drafter.draft()` with fixed shapes: the block attends to S context slots gathered from
     the drafter cache (S = the sliding window, else the cache's whole length), padding slots
     masked. Same tokens as `drafter.draft` (checked on the CPU). `num_drafts` (default B-1)
-    is fixed at capture: the block forward covers all B slots, the LM head only the first k."""
+    is fixed at capture: the block forward covers all B slots, the LM head only the first k.
+    `compile`: torch.compile the block forward (see `compile_step`) before warm-up and capture."""
 
-    def __init__(self, drafter, cache, embed: Callable, head: Callable, use_graphs: bool | None = None, num_drafts: int | None = None):
+    def __init__(self, drafter, cache, embed: Callable, head: Callable, use_graphs: bool | None = None, num_drafts: int | None = None, compile: bool = False, compile_backend: str | Callable = "inductor"):
         self.drafter, self.cache, self.embed, self.head = drafter, cache, embed, head
         cfg = drafter.cfg
         self.num_drafts = drafter.block_size - 1 if num_drafts is None else int(num_drafts)
@@ -104,16 +130,21 @@ class StaticDraftStep:
         self.slots = torch.arange(self.window, device=device)
         self.block_offsets = torch.arange(drafter.block_size, device=device)
         self.graph = None
+        self.compiled = bool(compile)
+        self.step_fn = compile_step(self._forward, compile_backend) if compile else self._forward
         if self.use_graphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):
-                    self._forward()
+                    self.step_fn()
             torch.cuda.current_stream().wait_stream(stream)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph), torch.inference_mode():
-                self.tokens = self._forward()
+                self.tokens = self.step_fn()
+        elif self.compiled:
+            with torch.inference_mode():  # compile now, not in the first request (reads the cache only)
+                self.step_fn()
 
     def _forward(self) -> torch.Tensor:
         d, cache = self.drafter, self.cache
@@ -140,6 +171,6 @@ class StaticDraftStep:
         self.first.fill_(int(first_token))
         self.start.fill_(int(start_pos))
         if self.graph is None:
-            return self._forward()
+            return self.step_fn()
         self.graph.replay()
         return self.tokens

@@ -34,6 +34,7 @@ class GenerateConfig:
     drafter: str | None = None  # DFlash drafter directory: speculative decoding through qfd.engine
     allow_target_mismatch: bool = False
     draft_len: int | None = None  # drafts verified per step (None: the drafter's B-1)
+    compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
 
 
 @dataclass
@@ -208,7 +209,7 @@ def run(cfg: GenerateConfig, write: Callable[[str], None] | None = None) -> Deco
             sys.stdout.flush()
 
     stop_ids = stop_token_ids(model_dir, tokenizer)
-    if drafter is not None or importlib.util.find_spec("qfd.engine") is not None:
+    if drafter is not None or cfg.compile_steps or importlib.util.find_spec("qfd.engine") is not None:
         return _run_engine(model, tokenizer, prompt_ids, cfg, stop_ids, write, drafter)
     stream = TextStream(tokenizer, write)
     result = decode(model, prompt_ids, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_ids=stop_ids, seed=cfg.seed, on_tokens=stream)
@@ -220,7 +221,11 @@ def _run_engine(model, tokenizer, prompt_ids, cfg: GenerateConfig, stop_ids, wri
     """The same generation through qfd.engine (where speculative decoding lives)."""
     from qfd.engine import Engine, GenerationConfig
 
-    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids, draft_len=cfg.draft_len)
+    if cfg.compile_steps:
+        from qfd.console import console
+
+        console.print("[dim]compiling the fixed-shape steps (torch.compile; the first start is slow)[/dim]", highlight=False)
+    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids, draft_len=cfg.draft_len, compile_steps=cfg.compile_steps)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
     result = engine.generate(prompt_ids, gen, on_tokens=lambda ids, text: write(text) if text else None)
     stats = result.stats

@@ -28,6 +28,7 @@ class ServeConfig:
     engine: str = "qfd"  # qfd (this package's engine) or vllm (export, then `vllm serve`)
     export_dir: Path | None = None  # --engine vllm: where the export goes (default: the qfd cache)
     draft_len: int | None = None  # drafts verified per step (None: the drafter's B-1)
+    compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
 
 
 def is_loopback(host: str) -> bool:
@@ -85,7 +86,9 @@ def build(cfg: ServeConfig):
 
         drafter = load_drafter(drafter_dir, device, dtype)
     max_len = cfg.max_len or target.config.max_position_embeddings
-    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer), draft_len=cfg.draft_len)
+    if cfg.compile_steps:
+        console.print("[dim]compiling the fixed-shape steps (torch.compile; the first start is slow)[/dim]", highlight=False)
+    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer), draft_len=cfg.draft_len, compile_steps=cfg.compile_steps)
     name = cfg.model_name or (cfg.target if not Path(cfg.target).expanduser().exists() else model_dir.path.name)
     if not is_loopback(cfg.host) and not cfg.api_key:
         console.print(f"[bold yellow]warning:[/bold yellow] serving on {cfg.host} without --api-key: anyone who can reach this port can use the model", highlight=False)
@@ -128,6 +131,8 @@ def run_vllm(cfg: ServeConfig) -> None:
     if cfg.draft_len is not None:
         # vLLM takes its draft count from the export's speculative config (B-1); not mapped here
         raise QfdError("--draft-len applies to --engine qfd; vLLM drafts the export's num_speculative_tokens")
+    if cfg.compile_steps:
+        raise QfdError("--compile applies to --engine qfd; vLLM compiles on its own")
     if shutil.which("vllm") is None:
         raise QfdError("--engine vllm: vLLM is not installed here (no `vllm` on PATH); install it on a CUDA machine (pip install vllm), or use --engine qfd")
     target = resolve_model(cfg.target)
