@@ -1,8 +1,10 @@
 """CPU step costs against the draft length k, and the acceptance speculative decoding needs to
 beat target-only decoding there. CPU numbers: on a GPU a 16-token verify costs about a decode
-step; on a CPU a (k+1)-token verify costs more than a decode step (measured 1.3-1.9x for the
-embedded model on 2 cores, and not monotone in k: MKL picks its small-M GEMM kernels by shape),
-so the drafts must be accepted often enough to pay for the verify and the draft.
+step; on a CPU a (k+1)-token verify costs more than a decode step (embedded model, 2 cores:
+1.3-1.9x with F.linear, not monotone in k as MKL picks its small-M GEMM kernels by shape; with
+qfd.models.linear's W @ x.T path for <= 8 rows, decode is 1.8x cheaper and a 2-5-token verify
+costs 1.0-1.5 decode steps, 7-16 tokens 2-3), so the drafts must be accepted often enough to
+pay for the verify and the draft.
 
 On the embedded SmolLM2-135M (or --target) with a randomly initialised DFlash drafter built for
 it (or --drafter DIR), eager fp32 as the engine runs on a CPU, torch threads = --threads,
@@ -20,8 +22,14 @@ drafter's context update too. Random weights give exact costs, not acceptance. T
 are interleaved (one round of every measurement at a time), so drift and other load on the box
 spread evenly over the rows.
 
+--small-rows N[,N...] measures the steps under each qfd.models.linear.SMALL_ROWS threshold
+(linears with at most N float32 rows on the CPU compute W @ x.T, MKL's faster kernel for few
+rows; 0 = F.linear everywhere, as before that path), interleaved within each round; the JSON
+then holds one entry of "runs" per threshold. Default: the library's threshold only.
+
     python bench/bench_cpu_draft_len.py [--target smollm2-135m] [--drafter DIR] [--layers 5]
-        [--context 256] [--lens 1,2,3,4,6,8,15] [--threads 2] [--iters 30] [--out cpu_draft_len.json]
+        [--context 256] [--lens 1,2,3,4,6,8,15] [--threads 2] [--iters 30] [--small-rows 0,8]
+        [--out cpu_draft_len.json]
 """
 
 from __future__ import annotations
@@ -60,9 +68,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--iters", type=int, default=30, help="timed rounds (median reported)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--small-rows", default=None, help="comma-separated qfd.models.linear.SMALL_ROWS thresholds to compare, interleaved (0: F.linear everywhere); default: the library's")
     p.add_argument("--out", type=Path, default=Path("cpu_draft_len.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    from qfd.models import linear as qfd_linear
+
+    settings = [int(n) for n in args.small_rows.split(",") if n] if args.small_rows else [qfd_linear.SMALL_ROWS]
 
     from qfd.checkpoint import read_json, resolve_model
     from qfd.models.drafter import DFlashDrafter, config_for_target, load_drafter
@@ -114,38 +126,46 @@ def main() -> None:
     fns = {"decode": decode}
     for k in lens:
         fns[f"verify_{k}"], fns[f"draft_{k}"], fns[f"append_{k}"] = verify(k), draft(k), append(k)
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[tuple[int, str], list[float]] = {(n, name): [] for n in settings for name in fns}
     with torch.inference_mode():
         for round_ in range(args.warmup + args.iters):
             for name, fn in fns.items():
-                t0 = time.perf_counter()
-                fn()
-                if round_ >= args.warmup:
-                    times[name].append((time.perf_counter() - t0) * 1e3)
-    ms = {name: statistics.median(values) for name, values in times.items()}
-    decode_ms = ms["decode"]
-    rows = []
-    for k in lens:
-        step = ms[f"draft_{k}"] + ms[f"verify_{k}"]
-        rows.append({"k": k, "verify_ms": ms[f"verify_{k}"], "draft_ms": ms[f"draft_{k}"], "append_ms": ms[f"append_{k}"],
-                     "verify_over_decode": ms[f"verify_{k}"] / decode_ms, "break_even_tau": step / decode_ms,
-                     "break_even_tau_with_append": (step + ms[f"append_{k}"]) / decode_ms, "max_tau": k + 1})
+                for n in settings:
+                    qfd_linear.SMALL_ROWS = n
+                    t0 = time.perf_counter()
+                    fn()
+                    if round_ >= args.warmup:
+                        times[(n, name)].append((time.perf_counter() - t0) * 1e3)
+    runs = []
+    for n in settings:
+        ms = {name: statistics.median(times[(n, name)]) for name in fns}
+        decode_ms = ms["decode"]
+        rows = []
+        for k in lens:
+            step = ms[f"draft_{k}"] + ms[f"verify_{k}"]
+            rows.append({"k": k, "verify_ms": ms[f"verify_{k}"], "draft_ms": ms[f"draft_{k}"], "append_ms": ms[f"append_{k}"],
+                         "verify_over_decode": ms[f"verify_{k}"] / decode_ms, "break_even_tau": step / decode_ms,
+                         "break_even_tau_with_append": (step + ms[f"append_{k}"]) / decode_ms, "max_tau": k + 1})
+        runs.append({"small_rows": n, "decode_ms": decode_ms, "rows": rows})
     drafter_desc = str(args.drafter) if args.drafter else f"random, {drafter.cfg.num_hidden_layers} layers"
     results = {"device": "cpu", "cpu": cpu_name(), "threads": args.threads, "torch": torch.__version__, "target": args.target,
-               "drafter": drafter_desc, "block_size": B, "context": L, "iters": args.iters, "decode_ms": decode_ms, "rows": rows}
+               "drafter": drafter_desc, "block_size": B, "context": L, "iters": args.iters, "command": " ".join(["python", *sys.argv])}
+    results.update(runs[0] if len(runs) == 1 else {"runs": runs})
     args.out.write_text(json.dumps(results, indent=2) + "\n")
 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"CPU step costs vs draft length k: {args.target} + drafter ({drafter_desc}, B={B}), context {L}, {args.threads} threads, {cpu_name()}; target decode {decode_ms:.2f} ms")
-    for col in ("k", "verify k+1 ms", "verify/decode", "draft(k) ms", "append ms", "break-even tau", "(with append)", "max tau k+1"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(str(r["k"]), f"{r['verify_ms']:.2f}", f"{r['verify_over_decode']:.2f}", f"{r['draft_ms']:.2f}", f"{r['append_ms']:.2f}",
-                      f"{r['break_even_tau']:.2f}", f"{r['break_even_tau_with_append']:.2f}", str(r["max_tau"]))
     console = Console()
-    console.print(table)
+    for run in runs:
+        table = Table(title=f"CPU step costs vs draft length k: {args.target} + drafter ({drafter_desc}, B={B}), context {L}, {args.threads} threads, {cpu_name()}, "
+                      f"linear small rows <= {run['small_rows']}; target decode {run['decode_ms']:.2f} ms")
+        for col in ("k", "verify k+1 ms", "verify/decode", "draft(k) ms", "append ms", "break-even tau", "(with append)", "max tau k+1"):
+            table.add_column(col, justify="right")
+        for r in run["rows"]:
+            table.add_row(str(r["k"]), f"{r['verify_ms']:.2f}", f"{r['verify_over_decode']:.2f}", f"{r['draft_ms']:.2f}", f"{r['append_ms']:.2f}",
+                          f"{r['break_even_tau']:.2f}", f"{r['break_even_tau_with_append']:.2f}", str(r["max_tau"]))
+        console.print(table)
     console.print("spec with draft length k beats target-only when tau_k > (draft_k + verify_k) / decode; a break-even above k+1 cannot be reached")
     console.print(f"written: {args.out}")
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qfd.drafter_losses import block_attention_mask, context_window_start, per_block_attention_mask
+from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
 
 
 @dataclass(frozen=True)
@@ -160,10 +161,10 @@ class DrafterAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False)
+        self.q_proj = Linear(h, cfg.num_attention_heads * d, bias=False)
+        self.k_proj = Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.v_proj = Linear(h, cfg.num_key_value_heads * d, bias=False)
+        self.o_proj = Linear(cfg.num_attention_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
@@ -199,9 +200,9 @@ class DrafterAttention(nn.Module):
 class DrafterMLP(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -242,7 +243,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.reset_parameters()

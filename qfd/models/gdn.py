@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / ||x|| over the last dim, with flash-linear-attention's epsilon placement."""
@@ -122,11 +124,11 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
-        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(cfg.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
+        self.out_proj = Linear(self.value_dim, cfg.hidden_size, bias=False)
+        self.in_proj_qkv = Linear(cfg.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(cfg.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = Linear(cfg.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(cfg.hidden_size, self.num_v_heads, bias=False)
 
     def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]. `state`: this layer's `GDNState` in the cache

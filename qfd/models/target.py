@@ -29,6 +29,7 @@ from qfd.errors import QfdError
 from qfd.models import rope as rope_math
 from qfd.models.cache import GDNState, TargetCache
 from qfd.models.gdn import GatedDeltaNet
+from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
 
 FAMILIES = ("llama", "qwen3", "qwen3_5")
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -139,10 +140,10 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.gated = cfg.family == "qwen3_5"  # q_proj emits [query | output gate] per head
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim * (2 if self.gated else 1), bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim * (2 if self.gated else 1), bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
         if cfg.family in ("qwen3", "qwen3_5"):
             zero_centered = cfg.family == "qwen3_5"
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered)
@@ -196,9 +197,9 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 class MLP(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -244,7 +245,7 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = config
         self.model = Body(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.reset_rope()
