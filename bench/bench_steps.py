@@ -10,7 +10,8 @@ acceptance: the speedup printed is a PROJECTION at a given tau (default the pape
 
 with every term measured here in one run (CUDA graphs for decode / verify / draft on CUDA).
 
-    python bench/bench_steps.py --device cuda [--shape qwen3.5-4b|tiny] [--tau 5.03] [--draft-len K] [--compile] [--out steps.json]
+    python bench/bench_steps.py --device cuda [--shape qwen3.5-4b|tiny] [--tau 5.03] [--draft-len K] [--compile]
+        [--settings short,medium,long] [--out steps.json]
 
 --draft-len K times a step that drafts K <= B-1 tokens (the drafter's LM head over K slots)
 and verifies K+1 (Engine(draft_len=K)); the default is the whole block. On a CPU see also
@@ -92,14 +93,14 @@ def build_target(shape: dict, device, dtype, int4: bool, group_size: int) -> Tar
     return model.eval()
 
 
-def target_costs(model, max_len, block, measure, device, taps, compile_steps=False) -> dict:
-    """`block`: tokens per verify (draft length + 1)."""
+def target_costs(model, max_len, block, measure, device, taps, compile_steps=False, settings=tuple(SETTINGS)) -> dict:
+    """`block`: tokens per verify (draft length + 1); `settings`: which of SETTINGS to time."""
     cache = model.new_cache(max_len, static=True, max_verify=max(16, block))
     steps = StaticTargetSteps(model, cache, sizes=(1, block), tap_layers=taps, compile=compile_steps)
     out = {}
     with torch.inference_mode():
         for name, (n_in, _) in SETTINGS.items():
-            if n_in + 300 > max_len:
+            if name not in settings or n_in + 300 > max_len:
                 continue
             prompt = torch.randint(0, model.config.vocab_size, (1, n_in), device=device)
 
@@ -166,8 +167,12 @@ def main() -> None:
     p.add_argument("--draft-len", type=int, default=None, help="drafts per step K (1..block-1; default block-1): verify K+1 tokens")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape steps before CUDA-graph capture")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated latency settings to time (default all: short,medium,long)")
     p.add_argument("--out", type=Path, default=Path("bench_steps.json"))
     args = p.parse_args()
+    settings = tuple(s for s in args.settings.split(",") if s)
+    if not settings or any(s not in SETTINGS for s in settings):
+        p.error(f"--settings takes a comma-separated subset of {','.join(SETTINGS)}")
     draft_len = args.block - 1 if args.draft_len is None else args.draft_len
     if not 1 <= draft_len <= args.block - 1:
         p.error(f"--draft-len must be in 1..{args.block - 1}")
@@ -182,18 +187,18 @@ def main() -> None:
     max_len = longest + 300 + 2 * args.block
     taps = config_for_target(shape, mask_token_id=0).target_layer_ids
 
-    results = {"shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile}
+    results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures
         args.out.write_text(json.dumps(results, indent=2))
 
     bf16 = build_target(shape, device, dtype, int4=False, group_size=args.group_size)
-    results["bf16"] = target_costs(bf16, max_len, verify_len, measure, device, (), args.compile)
+    results["bf16"] = target_costs(bf16, max_len, verify_len, measure, device, (), args.compile, settings)
     save()
     del bf16
     torch.cuda.empty_cache() if device.type == "cuda" else None
     int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size)
-    results["int4"] = target_costs(int4, max_len, verify_len, measure, device, taps, args.compile)
+    results["int4"] = target_costs(int4, max_len, verify_len, measure, device, taps, args.compile, settings)
     save()
     results["drafter"] = drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, num_drafts=draft_len, compile_steps=args.compile)
     if device.type == "cuda":

@@ -11,7 +11,7 @@
 #               for 16 prompts), then long few-shot prompts with the
 #               drafter's sliding window (tau before/after SWA)
 # Sizes come from the environment so the same script runs a tiny version on a CPU box:
-#   NUM, GEN_TOKENS, GEN_BATCH, SAMPLE_T, EPOCHS or STEPS, GRAD_ACCUM, LR, GAMMA, INIT (a drafter to
+#   NUM, GEN_TOKENS, GEN_BATCH, SAMPLE_T (and SAMPLE_T2: a second sampled set, seed 2), EPOCHS or STEPS, GRAD_ACCUM, LR, GAMMA, INIT (a drafter to
 #   warm-start from), BUDGET_S, WEIGHTS,
 #   DEVICE, E2E_NUM, E2E_FLAGS (e.g. "--hf-compile --no-eager"), LONG_NUM (0: skip), SHOTS, WINDOWS
 set -o pipefail
@@ -54,6 +54,7 @@ train)
     gen data 0 0
     extra=()
     if [ -n "${SAMPLE_T:-}" ]; then gen data_t "$SAMPLE_T" 1; extra=(--extra-data "$ROOT/data_t"); fi
+    if [ -n "${SAMPLE_T2:-}" ]; then gen data_t2 "$SAMPLE_T2" 2; extra+=(--extra-data "$ROOT/data_t2"); fi
     minutes=$(python3 -c "print(max(0.5, (${budget} - ${SECONDS} - 60) / 60))")
     echo "training for at most $minutes minutes in this call"
     start=$SECONDS
