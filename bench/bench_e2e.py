@@ -5,7 +5,7 @@ static cache + torch.compile on CUDA) as the outside anchor - side by side in on
     python bench/bench_e2e.py --target DIR --drafter DIR [--prompts test.jsonl] [--num 8]
         [--max-new-tokens 256] [--device cuda] [--hf-compile] [--no-hf] [--out e2e.json]
         [--few-shot K --shots train.jsonl] [--windows 256,1024] [--max-len 8192] [--draft-lens 4,8]
-        [--compile]
+        [--compile] [--draft-vocab 8192]
 
 --few-shot K makes long prompts: K solved GSM8K train problems as earlier chat turns before
 each test question. --windows adds rows where the drafter sees only the last W context tokens
@@ -15,6 +15,9 @@ the default row is k = B-1): on a CPU, where a verify costs more than a decode s
 drafts can pay off sooner. --compile adds a target-only and a DFlash row whose fixed-shape steps
 are torch.compile'd before CUDA-graph capture (Engine(compile_steps=True); on a CPU the compiled
 steps run without graphs); a compile failure is printed and the other rows kept.
+--draft-vocab N[,N...] adds speculative rows whose drafter LM head covers only the N most
+frequent ids of its training data (Engine(draft_vocab=N); the drafter directory needs a
+draft_vocab.safetensors, see `qfd draft vocab`), each also at every --draft-lens k.
 
 Prints a table (tokens/s, speedup over qfd's BF16 target-only eager and graphed paths, tau)
 and how many speculative outputs are identical to target-only greedy (bf16 kernels may flip
@@ -108,6 +111,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024, help="engine context (prompt + new tokens)")
     p.add_argument("--no-eager", action="store_true", help="on CUDA, only the CUDA-graph rows")
     p.add_argument("--compile", action="store_true", help="also rows with the fixed-shape steps torch.compile'd before CUDA-graph capture")
+    p.add_argument("--draft-vocab", default="", help="comma-separated draft vocabulary sizes N to add as speculative rows (each also at every --draft-lens k)")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
     args = p.parse_args()
 
@@ -121,6 +125,10 @@ def main() -> None:
     target_dir = resolve_model(args.target).path
     target, tokenizer = load_target(target_dir, device, dtype)
     drafter = load_drafter(Path(args.drafter), device=device, dtype=dtype)
+    draft_lens = [int(k) for k in args.draft_lens.split(",") if k]
+    draft_vocabs = [int(v) for v in args.draft_vocab.split(",") if v]
+    if draft_vocabs and drafter.draft_vocab_counts is None:
+        p.error(f"--draft-vocab: drafter {args.drafter} has no draft vocabulary (draft_vocab.safetensors); make one with `qfd draft vocab`")
     max_len = args.max_len
     shots = few_shot_turns(args.shots, args.few_shot) if args.few_shot else []
     probe = Engine(target, tokenizer, max_len=max_len)
@@ -151,9 +159,14 @@ def main() -> None:
         rows[f"qfd + DFlash ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
     if args.compile:
         compiled_row(f"qfd + DFlash ({compiled})", drafter=drafter)
-    for k in [int(k) for k in args.draft_lens.split(",") if k]:
+    for k in draft_lens:
         for label, graphed in modes:
             rows[f"qfd + DFlash, draft length {k} ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, draft_len=k), prompt_ids, args.max_new_tokens)
+    for v in draft_vocabs:
+        for k in [None, *draft_lens]:
+            for label, graphed in modes:
+                name = f"qfd + DFlash, draft vocab {v}{'' if k is None else f', draft length {k}'} ({label})"
+                rows[name] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, draft_len=k, draft_vocab=v), prompt_ids, args.max_new_tokens)
     full_window = drafter.cfg
     for window in [int(w) for w in args.windows.split(",") if w]:
         drafter.cfg = replace(full_window, sliding_window=window)

@@ -20,6 +20,10 @@ from qfd.errors import QfdError
 from qfd.manifest import MANIFEST_NAME, read_manifest, write_manifest
 
 CONFIG_NAME = "config.json"
+# A drafter directory's token counts for `--draft-vocab` (qfd.draft_vocab): a safetensors file
+# that holds no weights, so every listing of weight files leaves it out (`weight_files`).
+DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
+NOT_WEIGHTS = (DRAFT_VOCAB_NAME,)
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -113,12 +117,17 @@ def inspect_model_dir(path: Path) -> ModelDir:
     if family is None and config.get("dflash_config") is None:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise QfdError(f"{path}: unsupported architecture {architectures or '(none given)'}; qfd supports {supported}")
-    weights = tuple(sorted(path.glob("*.safetensors")))
+    weights = weight_files(path)
     if not weights:
         raise QfdError(f"{path} has no *.safetensors weights (convert .bin checkpoints with transformers' save_pretrained)")
     for weight in weights:
         check_safetensors(weight)
     return ModelDir(path=path.resolve(), config=config, family=family or "dflash", weight_files=weights)
+
+
+def weight_files(directory: Path) -> tuple[Path, ...]:
+    """The *.safetensors weight files of a directory, sorted; side files (NOT_WEIGHTS) left out."""
+    return tuple(p for p in sorted(Path(directory).glob("*.safetensors")) if p.name not in NOT_WEIGHTS)
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -23,7 +23,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-draft_app = typer.Typer(help="DFlash drafter: generate data, train (stage 1|2), quantize, sliding window.", no_args_is_help=True)
+draft_app = typer.Typer(help="DFlash drafter: generate data, train (stage 1|2), quantize, sliding window, draft vocabulary.", no_args_is_help=True)
 export_app = typer.Typer(help="Export a target + drafter for other engines (vLLM).", no_args_is_help=True)
 app.add_typer(draft_app, name="draft")
 app.add_typer(export_app, name="export")

@@ -21,6 +21,12 @@ covers only k slots and the target verifies k+1 tokens. On a GPU a 16-token veri
 a decode step, so k = B-1 is best. On a CPU a multi-token verify costs more than a decode step
 and a step pays off only when tau_k > (draft_k + verify_k) / decode;
 bench/bench_cpu_draft_len.py measures those costs per k.
+
+A draft vocabulary (`draft_vocab` = N, CLI --draft-vocab; qfd.draft_vocab) computes the
+drafter's logits over the N most frequent ids of its training data only, a cheaper LM head.
+Output is unchanged: every committed token is the target's (greedy: its argmax; sampling:
+the drafter's proposal is deterministic, q one-hot at the draft, so rejection sampling is
+exact whatever the drafter proposes, in or out of the subset).
 """
 
 from __future__ import annotations
@@ -179,13 +185,21 @@ class Engine:
     """One target (+ optional DFlash drafter) with preallocated caches; `generate` serves one
     request at a time (a lock serialises callers)."""
 
-    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool = False, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor"):
+    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool = False, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor", draft_vocab: int | None = None):
+        from qfd.draft_vocab import draft_head_for
+
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.max_len = int(max_len or target.config.max_position_embeddings)
         self.block_size = drafter.block_size if drafter is not None else 1  # the drafter's B
         # drafts verified per step (k); 0 without a drafter. verify_len = k + 1 tokens per step.
         self.draft_len = check_draft_len(draft_len, self.block_size if drafter is not None else None)
         self.verify_len = self.draft_len + 1
+        # The drafter's LM head: the target's, or with draft_vocab = N its rows of the N most
+        # frequent ids of the drafter's training data (qfd.draft_vocab; load_drafter attaches
+        # the counts), a contiguous copy made here once.
+        self.draft_vocab = draft_vocab
+        vocab_head = draft_head_for(target, drafter, draft_vocab)
+        self.draft_head = target.head if vocab_head is None else vocab_head
         self.tap_layers = tuple(drafter.cfg.target_layer_ids) if drafter is not None else ()
         self.device = target.model.embed_tokens.weight.device
         self.eos_ids = tuple(eos_ids) if eos_ids is not None else default_eos_ids(tokenizer)
@@ -211,7 +225,7 @@ class Engine:
             compile_args = dict(compile=self.compile_steps, compile_backend=compile_backend)
             self.forward = StaticTargetSteps(target, self.cache, sizes=sorted({1, self.verify_len}), tap_layers=self.tap_layers, **compile_args)
             if drafter is not None:
-                self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=target.head, num_drafts=self.draft_len, **compile_args)
+                self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=self.draft_head, num_drafts=self.draft_len, **compile_args)
         self._lock = threading.Lock()
         self.on_step: Callable[[dict], None] | None = None  # test hook: called after every rollback
 
@@ -312,7 +326,7 @@ class _Run:
             if e.draft_step is not None:
                 drafts = e.draft_step(last, L)[0]
             else:
-                drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.target.head, num_drafts=e.draft_len)[0]
+                drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.draft_head, num_drafts=e.draft_len)[0]
             block = torch.cat([block, drafts.view(1, -1).to(block.dtype)], dim=1)
         out = e.forward(block, e.cache, tap_layers=e.tap_layers)
         verdict = verify(drafts, out.logits[0], self.params, None, self.generator)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from qfd.checkpoint import weight_files
 from qfd.errors import QfdError
 
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
@@ -35,7 +36,7 @@ def tensor_names(directory: Path) -> set[str]:
     from safetensors import safe_open
 
     names: set[str] = set()
-    for path in sorted(Path(directory).glob("*.safetensors")):
+    for path in weight_files(directory):  # not draft_vocab.safetensors (token counts)
         with safe_open(str(path), framework="pt") as handle:
             names.update(handle.keys())
     return names

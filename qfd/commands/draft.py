@@ -1,4 +1,5 @@
-"""`qfd draft data` and `qfd draft train --stage 1|2` (the DFlash drafter, method.md section 2).
+"""`qfd draft data`, `qfd draft train --stage 1|2` (the DFlash drafter, method.md section 2) and
+`qfd draft vocab` (token counts for serving with a draft vocabulary, qfd.draft_vocab).
 
 Thin: flags -> a frozen stage config -> `qfd.stages.draft_*.run(cfg)` -> a rich summary. No
 torch import at module level (`qfd --help` stays instant)."""
@@ -98,6 +99,20 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         )
         path = run(cfg)
         _summary(path, f"drafter stage {stage}", ("expected_acceptance_length", "init_expected_acceptance_length", "eval_loss", "final_train_loss", "steps", "train_seconds", "train_tokens", "data_records", "drafter_parameters"))
+
+    @draft.command("vocab")
+    def vocab(
+        drafter: Path = typer.Option(..., "--drafter", help="The drafter directory (left unchanged)."),
+        data: List[Path] = typer.Option(..., "--data", help="A `qfd draft data` directory whose response tokens are counted (repeatable: e.g. the drafter's --data and --extra-data)."),
+        out: Path = typer.Option(..., "--out", help="Output drafter directory: a copy of --drafter plus draft_vocab.safetensors."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished --out."),
+    ) -> None:
+        """Add a draft vocabulary (token counts of the data's responses) to a drafter trained
+        before `qfd draft train` wrote one; serve it with --draft-vocab N."""
+        from qfd.stages.draft_vocab import DraftVocabConfig, run
+
+        path = run(DraftVocabConfig(drafter=drafter, data=tuple(data), out=out, overwrite=overwrite))
+        _summary(path, "draft vocabulary", ("records", "response_tokens", "distinct_tokens", "vocab_size", "coverage_top_4096", "coverage_top_8192", "coverage_top_16384"))
 
 
 def _summary(path: Path, title: str, keys: tuple[str, ...]) -> None:

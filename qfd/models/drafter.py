@@ -347,7 +347,11 @@ class DFlashDrafter(nn.Module):
         B-1) predicted slots. The block forward always covers all B slots (the drafter was
         trained on full blocks of MASKs, and the slots attend to each other), so the k tokens
         equal the first k of a full draft; only the LM head, over a vocabulary-wide matmul per
-        slot, is skipped for the slots nobody will verify."""
+        slot, is skipped for the slots nobody will verify.
+
+        A `head` with `vocab_ids` (qfd.draft_vocab.DraftVocabHead, `--draft-vocab N`) gives
+        logits over those N ids only: the argmax is mapped back through them, and returned
+        logits are scattered to [batch, k, V] with -inf outside the subset."""
         if cache.length < start_pos:
             raise ValueError(f"draft at {start_pos}: the cache holds only {cache.length} context positions")
         device = cache.k.device
@@ -366,6 +370,13 @@ class DFlashDrafter(nn.Module):
         weight = getattr(head, "weight", None)
         logits = head(hidden.to(weight.dtype) if weight is not None else hidden)
         tokens = logits.argmax(-1)
+        vocab_ids = getattr(head, "vocab_ids", None)
+        if vocab_ids is not None:  # a draft vocabulary: subset index -> vocabulary id
+            tokens = vocab_ids[tokens]
+            if return_logits:
+                full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))
+                full[..., vocab_ids] = logits
+                logits = full
         return (tokens, logits) if return_logits else tokens
 
 

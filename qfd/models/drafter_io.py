@@ -1,6 +1,7 @@
 """Drafter directories: config.json in the form vLLM's and z-lab's DFlash loaders read,
 model.safetensors (drafter weights only: the target's embedding and head are NOT saved), and
-the manifest (written by the stage) pinning the target's fingerprint.
+the manifest (written by the stage) pinning the target's fingerprint; optionally
+draft_vocab.safetensors, token counts for `--draft-vocab` (qfd.draft_vocab; not weights).
 
 config.json: `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"`, the HF Qwen3 layer
 fields (num_hidden_layers, hidden_size, heads, head_dim, intermediate_size, rms_norm_eps,
@@ -145,7 +146,7 @@ def load_drafter(directory: Path, device="cpu", dtype: torch.dtype = torch.float
         # an INT4 drafter (`qfd draft quantize`): Int4Linear layers run the codes directly
         from qfd.quant.int4_load import load_int4_module
 
-        return load_int4_module(drafter, directory, device=device, dtype=dtype)
+        return _with_draft_vocab(load_int4_module(drafter, directory, device=device, dtype=dtype), directory)
     state = {}
     for weight in model_dir.weight_files:
         state.update(load_file(str(weight)))
@@ -154,7 +155,17 @@ def load_drafter(directory: Path, device="cpu", dtype: torch.dtype = torch.float
     if missing or unexpected:
         raise QfdError(f"{directory}: drafter weights do not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     drafter.load_state_dict(state)
-    return drafter.to(device=device, dtype=dtype).eval()
+    return _with_draft_vocab(drafter.to(device=device, dtype=dtype).eval(), directory)
+
+
+def _with_draft_vocab(drafter, directory: Path):
+    """Attach the directory's draft-vocabulary counts (None without draft_vocab.safetensors)
+    and where it was loaded from: Engine(draft_vocab=N) takes the top N of these counts."""
+    from qfd.draft_vocab import load_counts
+
+    drafter.draft_vocab_counts = load_counts(directory, drafter.cfg.vocab_size)
+    drafter.source_dir = Path(directory)
+    return drafter
 
 
 def target_shape(target_config: dict) -> dict:

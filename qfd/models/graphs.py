@@ -114,6 +114,8 @@ class StaticDraftStep:
     the drafter cache (S = the sliding window, else the cache's whole length), padding slots
     masked. Same tokens as `drafter.draft` (checked on the CPU). `num_drafts` (default B-1)
     is fixed at capture: the block forward covers all B slots, the LM head only the first k.
+    A `head` with `vocab_ids` (qfd.draft_vocab.DraftVocabHead) is captured as it is: logits
+    over its N ids, the argmax mapped back through them.
     `compile`: torch.compile the block forward (see `compile_step`) before warm-up and capture."""
 
     def __init__(self, drafter, cache, embed: Callable, head: Callable, use_graphs: bool | None = None, num_drafts: int | None = None, compile: bool = False, compile_backend: str | Callable = "inductor"):
@@ -161,7 +163,9 @@ class StaticDraftStep:
             h = layer(h, positions, k_ctx, v_ctx, mask)
         hidden = d.norm(h[:, 1 : 1 + self.num_drafts])
         weight = getattr(self.head, "weight", None)
-        return self.head(hidden.to(weight.dtype) if weight is not None else hidden).argmax(-1)
+        tokens = self.head(hidden.to(weight.dtype) if weight is not None else hidden).argmax(-1)
+        vocab_ids = getattr(self.head, "vocab_ids", None)  # a draft vocabulary (qfd.draft_vocab)
+        return tokens if vocab_ids is None else vocab_ids[tokens]
 
     @torch.inference_mode()
     def __call__(self, first_token: int, start_pos: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from qfd.checkpoint import TOKENIZER_FILES, Staging, resolve_model
+from qfd.checkpoint import DRAFT_VOCAB_NAME, TOKENIZER_FILES, Staging, resolve_model
 from qfd.errors import QfdError
 from qfd.manifest import read_manifest
 from qfd.stages.draft_swa import drafter_dir, prior_transforms
@@ -301,7 +301,7 @@ def _tau_with(drafter, qweights, convs, anchors, embed, head, device) -> dict:
 
 def _save(directory: Path, drafter_model, drafter, qweights, cfg: DraftQuantizeConfig, gcfg) -> None:
     """config.json (the drafter's, + quantization_config) and the INT4 safetensors; other
-    files of the drafter directory (tokenizer, notes) are copied forward."""
+    files of the drafter directory (tokenizer, draft vocabulary) are copied forward."""
     import torch
 
     from qfd.quant.formats import build_checkpoint, save_quantized
@@ -311,8 +311,8 @@ def _save(directory: Path, drafter_model, drafter, qweights, cfg: DraftQuantizeC
     cpu_qweights = {n: _to_cpu(qw) for n, qw in qweights.items()}
     ckpt = build_checkpoint(cfg.format, dict(drafter_model.config), dense, cpu_qweights, bits=gcfg.bits, group_size=gcfg.group_size, symmetric=True)
     save_quantized(directory, ckpt)
-    for path in drafter_model.path.iterdir():
-        if path.is_file() and path.name in TOKENIZER_FILES:
+    for path in drafter_model.path.iterdir():  # the draft vocabulary's counts still hold for the INT4 drafter
+        if path.is_file() and (path.name in TOKENIZER_FILES or path.name == DRAFT_VOCAB_NAME):
             shutil.copy2(path, directory / path.name)
 
 

@@ -14,7 +14,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qfd.checkpoint import Staging, copy_tokenizer_files, inspect_model_dir, resolve_model
+from qfd.checkpoint import DRAFT_VOCAB_NAME, Staging, copy_tokenizer_files, inspect_model_dir, resolve_model
 from qfd.errors import QfdError
 from qfd.vllm_layout import drafter_problems, target_problems
 
@@ -55,7 +55,7 @@ def run(cfg: ExportConfig) -> Path:
     staging = Staging(cfg.out, overwrite=cfg.overwrite, fresh=True)
     target_out, drafter_out = staging.path / "target", staging.path / "drafter"
     converted = _write_target(target, target_out)
-    shutil.copytree(drafter.path, drafter_out, ignore=shutil.ignore_patterns("qfd.json"))
+    shutil.copytree(drafter.path, drafter_out, ignore=shutil.ignore_patterns("qfd.json", DRAFT_VOCAB_NAME))  # vLLM would load the counts as weights
     problems = target_problems(target_out) + drafter_problems(drafter_out)
     if problems:
         raise QfdError(f"exported files would not load in vLLM: {'; '.join(problems)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,6 +35,7 @@ class GenerateConfig:
     drafter: str | None = None  # DFlash drafter directory: speculative decoding through qfd.engine
     allow_target_mismatch: bool = False
     draft_len: int | None = None  # drafts verified per step (None: the drafter's B-1)
+    draft_vocab: int | None = None  # drafter LM head over the N most frequent ids (None: all; qfd.draft_vocab)
     compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
 
 
@@ -74,6 +76,9 @@ def check_config(cfg: GenerateConfig) -> None:
         raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
     if cfg.draft_len is not None and cfg.draft_len < 1:
         raise QfdError(f"--draft-len must be >= 1 (got {cfg.draft_len})")
+    from qfd.draft_vocab import check_draft_vocab_flag
+
+    check_draft_vocab_flag(cfg.draft_vocab, cfg.drafter)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -193,6 +198,9 @@ def run(cfg: GenerateConfig, write: Callable[[str], None] | None = None) -> Deco
 
         verify_drafter_target(cfg.drafter, model_dir.path, allow_mismatch=cfg.allow_target_mismatch)
         check_draft_len(cfg.draft_len, read_drafter_config(cfg.drafter).block_size)  # the upper bound is the drafter's B-1
+        from qfd.draft_vocab import check_draft_vocab
+
+        check_draft_vocab(Path(cfg.drafter), cfg.draft_vocab)
     model, tokenizer = load_target(model_dir, device, dtype)
     if cfg.drafter:
         drafter = load_drafter(cfg.drafter, device, dtype)
@@ -225,7 +233,7 @@ def _run_engine(model, tokenizer, prompt_ids, cfg: GenerateConfig, stop_ids, wri
         from qfd.console import console
 
         console.print("[dim]compiling the fixed-shape steps (torch.compile; the first start is slow)[/dim]", highlight=False)
-    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids, draft_len=cfg.draft_len, compile_steps=cfg.compile_steps)
+    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids, draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
     result = engine.generate(prompt_ids, gen, on_tokens=lambda ids, text: write(text) if text else None)
     stats = result.stats

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from qfd.checkpoint import weight_files
 from qfd.errors import QfdError
 from qfd.quant.formats import awq, compressed_tensors, gptq
 from qfd.quant.grid import check_supported, dequantize
@@ -92,7 +93,7 @@ def load_quantized(directory: str | Path) -> QuantizedCheckpoint:
     tensors: dict[str, torch.Tensor] = {}
     file_of: dict[str, str] = {}
     metadata: dict[str, dict[str, str]] = {}
-    for path in sorted(directory.glob("*.safetensors")):
+    for path in weight_files(directory):  # not draft_vocab.safetensors (token counts)
         with safe_open(str(path), framework="pt") as handle:
             metadata[path.name] = handle.metadata() or {}
             for key in handle.keys():
