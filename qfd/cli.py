@@ -14,6 +14,15 @@ import typer
 
 from qfd.errors import QfdError
 
+try:  # typer >= 0.2x runs a vendored click (typer._click) whose exceptions click's classes miss
+    from typer._click import exceptions as _vendored_click
+except ImportError:
+    _vendored_click = None
+# Usage errors (missing or unknown options, bad values) from whichever click parsed the line
+USAGE_ERRORS = tuple({click.ClickException, getattr(_vendored_click, "ClickException", click.ClickException)})
+EXITS = tuple({click.exceptions.Exit, typer.Exit})
+ABORTS = tuple({click.exceptions.Abort, typer.Abort})
+
 app = typer.Typer(
     name="qfd",
     help="Quantize the target, quantize the drafter: an INT4 target recovered by QAD, a DFlash "
@@ -72,12 +81,12 @@ def main(argv: list[str] | None = None) -> None:
     except QfdError as exc:
         console.print(f"[bold red]error:[/bold red] {exc}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
-    except click.exceptions.Exit as exc:
+    except EXITS as exc:
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
+    except ABORTS:
         console.print("[bold red]aborted[/bold red]")
         sys.exit(130)
-    except click.ClickException as exc:
+    except USAGE_ERRORS as exc:
         exc.show()
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
