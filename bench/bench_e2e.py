@@ -18,6 +18,9 @@ steps run without graphs); a compile failure is printed and the other rows kept.
 --draft-vocab N[,N...] adds speculative rows whose drafter LM head covers only the N most
 frequent ids of its training data (Engine(draft_vocab=N); the drafter directory needs a
 draft_vocab.safetensors, see `qfd draft vocab`), each also at every --draft-lens k.
+--short-block adds each --draft-lens row again with the drafter's block forward over only the
+k + 1 slots it verifies instead of all B (Engine(short_block=True)): k+1/B of its work, drafts
+from a block shape it was not trained on (tau shows what that costs; output stays lossless).
 
 Prints a table (tokens/s, speedup over qfd's BF16 target-only eager and graphed paths, tau)
 and how many speculative outputs are identical to target-only greedy (bf16 kernels may flip
@@ -112,6 +115,7 @@ def main() -> None:
     p.add_argument("--no-eager", action="store_true", help="on CUDA, only the CUDA-graph rows")
     p.add_argument("--compile", action="store_true", help="also rows with the fixed-shape steps torch.compile'd before CUDA-graph capture")
     p.add_argument("--draft-vocab", default="", help="comma-separated draft vocabulary sizes N to add as speculative rows (each also at every --draft-lens k)")
+    p.add_argument("--short-block", action="store_true", help="also each --draft-lens row with the drafter's block cut to its k + 1 used slots (Engine(short_block=True))")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
     args = p.parse_args()
 
@@ -159,14 +163,15 @@ def main() -> None:
         rows[f"qfd + DFlash ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
     if args.compile:
         compiled_row(f"qfd + DFlash ({compiled})", drafter=drafter)
-    for k in draft_lens:
-        for label, graphed in modes:
-            rows[f"qfd + DFlash, draft length {k} ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, draft_len=k), prompt_ids, args.max_new_tokens)
-    for v in draft_vocabs:
-        for k in [None, *draft_lens]:
-            for label, graphed in modes:
-                name = f"qfd + DFlash, draft vocab {v}{'' if k is None else f', draft length {k}'} ({label})"
-                rows[name] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, draft_len=k, draft_vocab=v), prompt_ids, args.max_new_tokens)
+    shorts = [False, True] if args.short_block else [False]
+    for v in [None, *draft_vocabs]:
+        for k in ([] if v is None else [None]) + draft_lens:
+            for short in shorts if k is not None else [False]:
+                for label, graphed in modes:
+                    parts = [f"draft vocab {v}"] * (v is not None) + [f"draft length {k}"] * (k is not None) + ["short block"] * short
+                    name = f"qfd + DFlash, {', '.join(parts)} ({label})"
+                    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, draft_len=k, draft_vocab=v, short_block=short)
+                    rows[name] = run_engine(engine, prompt_ids, args.max_new_tokens)
     full_window = drafter.cfg
     for window in [int(w) for w in args.windows.split(",") if w]:
         drafter.cfg = replace(full_window, sliding_window=window)

@@ -44,6 +44,11 @@ train)
     budget=${BUDGET_S:-560}  # this call's seconds; training gets what the data steps leave
     gen() {  # gen DIR TEMPERATURE SEED: target responses to the GSM8K train prompts
         [ -f "$ROOT/$1/qfd.json" ] && return 0
+        # responses returned by an earlier call (.carry/drafter_data/DIR.jsonl.gz): the
+        # generator resumes from them (same prompts), so only the manifest is written here
+        if [ -f ".carry/drafter_data/$1.jsonl.gz" ] && [ ! -s "$ROOT/$1.partial/data.jsonl" ]; then
+            mkdir -p "$ROOT/$1.partial" && gunzip -c ".carry/drafter_data/$1.jsonl.gz" > "$ROOT/$1.partial/data.jsonl"
+        fi
         start=$SECONDS
         python3 -m qfd draft data --target smollm2-135m --prompts .carry/data/train.jsonl \
             --num "${NUM:-2500}" --max-new-tokens "${GEN_TOKENS:-256}" --batch-size "${GEN_BATCH:-256}" \

@@ -167,6 +167,13 @@ def default_eos_ids(tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def check_short_block_flag(short_block: bool, draft_len: int | None) -> None:
+    """--short-block cuts the drafter's block to the draft_len + 1 slots verified: without a
+    --draft-len it would be the whole block, a flag that does nothing."""
+    if short_block and draft_len is None:
+        raise QfdError("--short-block needs --draft-len k (it runs the drafter's block over the k + 1 slots verified)")
+
+
 def check_draft_len(draft_len: int | None, block_size: int | None) -> int:
     """The draft length k to use: `draft_len` (None: B-1, the whole block) checked against the
     drafter's block size B (None: no drafter, k = 0). A user error is one QfdError line."""
@@ -185,7 +192,7 @@ class Engine:
     """One target (+ optional DFlash drafter) with preallocated caches; `generate` serves one
     request at a time (a lock serialises callers)."""
 
-    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool = False, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor", draft_vocab: int | None = None):
+    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool = False, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor", draft_vocab: int | None = None, short_block: bool = False):
         from qfd.draft_vocab import draft_head_for
 
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
@@ -194,6 +201,11 @@ class Engine:
         # drafts verified per step (k); 0 without a drafter. verify_len = k + 1 tokens per step.
         self.draft_len = check_draft_len(draft_len, self.block_size if drafter is not None else None)
         self.verify_len = self.draft_len + 1
+        # short_block: the drafter runs only the k + 1 block slots whose drafts are verified
+        # (drafter.draft's block_len), not all B - cheaper, but not the function it was trained
+        # as; None: the whole block.
+        self.short_block = bool(short_block) and drafter is not None
+        self.draft_block_len = self.verify_len if self.short_block else None
         # The drafter's LM head: the target's, or with draft_vocab = N its rows of the N most
         # frequent ids of the drafter's training data (qfd.draft_vocab; load_drafter attaches
         # the counts), a contiguous copy made here once.
@@ -225,7 +237,7 @@ class Engine:
             compile_args = dict(compile=self.compile_steps, compile_backend=compile_backend)
             self.forward = StaticTargetSteps(target, self.cache, sizes=sorted({1, self.verify_len}), tap_layers=self.tap_layers, **compile_args)
             if drafter is not None:
-                self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=self.draft_head, num_drafts=self.draft_len, **compile_args)
+                self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=self.draft_head, num_drafts=self.draft_len, block_len=self.draft_block_len, **compile_args)
         self._lock = threading.Lock()
         self.on_step: Callable[[dict], None] | None = None  # test hook: called after every rollback
 
@@ -326,7 +338,8 @@ class _Run:
             if e.draft_step is not None:
                 drafts = e.draft_step(last, L)[0]
             else:
-                drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.draft_head, num_drafts=e.draft_len)[0]
+                short = {"block_len": e.draft_block_len} if e.short_block else {}  # only then: drafters without the option still work
+                drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.draft_head, num_drafts=e.draft_len, **short)[0]
             block = torch.cat([block, drafts.view(1, -1).to(block.dtype)], dim=1)
         out = e.forward(block, e.cache, tap_layers=e.tap_layers)
         verdict = verify(drafts, out.logits[0], self.params, None, self.generator)

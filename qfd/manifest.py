@@ -101,12 +101,14 @@ def write_manifest(
     directory: Path,
     *,
     stage: str,
-    parents: dict[str, Path] | None = None,
+    parents: dict[str, Path | dict] | None = None,
     config: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
     command: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Hash every file in `directory`, then write `qfd.json` atomically. Call it last."""
+    """Hash every file in `directory`, then write `qfd.json` atomically. Call it last.
+    `parents` maps a role to an input directory, or to a parent entry carried over from another
+    manifest as it was recorded (e.g. a pin whose directory is on another machine)."""
     directory = Path(directory)
     hashes = file_hashes(directory)
     manifest = {
@@ -114,7 +116,7 @@ def write_manifest(
         "stage": stage,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command if command is not None else sys.argv,
-        "parents": [parent_entry(role, path) for role, path in (parents or {}).items()],
+        "parents": [{**path, "role": role} if isinstance(path, dict) else parent_entry(role, path) for role, path in (parents or {}).items()],
         "config": config or {},
         "metrics": metrics or {},
         "files": hashes,

@@ -240,6 +240,19 @@ def test_trainer_writes_counts_and_draft_vocab_adds_them_to_an_older_drafter(tmp
     engine = Engine(targets_of(target_dir), drafter=load_drafter(out), max_len=64, draft_vocab=16)
     assert engine.draft_head.vocab_ids.tolist() == top_ids(counts, 16).tolist()
 
+    # A drafter trained on another machine: its pinned target path does not exist here, and the
+    # pin (the target's fingerprint) carries over all the same.
+    moved = tmp_path / "moved"
+    shutil.copytree(older, moved)
+    manifest = read_manifest(moved)
+    for parent in manifest["parents"]:
+        if parent["role"] == "target":
+            parent["path"] = str(tmp_path / "elsewhere" / "target")
+    (moved / "qfd.json").write_text(json.dumps(manifest))
+    code, _, err = _cli(["draft", "vocab", "--drafter", moved, "--data", data, "--out", tmp_path / "moved_vocab"], capsys)
+    assert code == 0, err
+    verify_drafter_target(tmp_path / "moved_vocab", target_dir)
+
     # bad input: one error line each, nothing written
     _one_error_line(*_cli(["draft", "vocab", "--drafter", older, "--data", data, "--out", out], capsys)[::2], "--overwrite")
     code, _, err = _cli(["draft", "vocab", "--drafter", older, "--data", data, "--out", out, "--overwrite"], capsys)

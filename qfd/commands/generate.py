@@ -9,6 +9,8 @@ DRAFT_LEN_HELP = "Drafts verified per step (default B-1); shorter suits compute-
 DRAFT_VOCAB_HELP = ("The drafter's LM head over only the N most frequent tokens of its training data (e.g. 8192): a cheaper "
                     "draft step on a CPU, the same output (the target verifies every token). Needs the drafter's "
                     "draft_vocab.safetensors (written by `qfd draft train`; add one with `qfd draft vocab`).")
+SHORT_BLOCK_HELP = ("With --draft-len k: the drafter runs only the k + 1 block slots it verifies, not all B (a cheaper draft "
+                    "step on a CPU; drafts from a block shape it was not trained on, so acceptance may drop; same output).")
 COMPILE_HELP = "torch.compile the fixed-shape steps before CUDA-graph capture (GPU; slow first start)"
 
 
@@ -29,6 +31,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         allow_target_mismatch: bool = typer.Option(False, "--allow-target-mismatch", help="Use a drafter pinned to another target fingerprint (loud warning)."),
         draft_len: int = typer.Option(None, "--draft-len", help=DRAFT_LEN_HELP),
         draft_vocab: int = typer.Option(None, "--draft-vocab", help=DRAFT_VOCAB_HELP),
+        short_block: bool = typer.Option(False, "--short-block", help=SHORT_BLOCK_HELP),
         compile_steps: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     ) -> None:
         """Generate with the runtime target model, streaming tokens to stdout; stats go to stderr."""
@@ -41,7 +44,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
 
         hf_logging.set_verbosity_error()  # keep the terminal to the answer and our stats line
 
-        cfg = GenerateConfig(target=target, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, device=device, dtype=dtype, drafter=drafter, allow_target_mismatch=allow_target_mismatch, draft_len=draft_len, draft_vocab=draft_vocab, compile_steps=compile_steps)
+        cfg = GenerateConfig(target=target, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, device=device, dtype=dtype, drafter=drafter, allow_target_mismatch=allow_target_mismatch, draft_len=draft_len, draft_vocab=draft_vocab, short_block=short_block, compile_steps=compile_steps)
         result = run(cfg)
         sys.stdout.write("\n")  # end the streamed line before the stats (stderr)
         sys.stdout.flush()

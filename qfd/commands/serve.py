@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_HELP, DRAFT_VOCAB_HELP
+from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_HELP, DRAFT_VOCAB_HELP, SHORT_BLOCK_HELP
 
 
 def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
@@ -26,9 +26,10 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         export_dir: Path = typer.Option(None, "--export-dir", help="--engine vllm: where to write the export (default: ~/.cache/qfd/vllm-exports/)."),
         draft_len: int = typer.Option(None, "--draft-len", help=DRAFT_LEN_HELP),
         draft_vocab: int = typer.Option(None, "--draft-vocab", help=DRAFT_VOCAB_HELP),
+        short_block: bool = typer.Option(False, "--short-block", help=SHORT_BLOCK_HELP),
         compile_steps: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     ) -> None:
         """Serve /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health, /metrics."""
         from qfd.stages.serve import ServeConfig, run
 
-        run(ServeConfig(target=target, drafter=drafter, host=host, port=port, api_key=api_key, device=device, dtype=dtype, allow_target_mismatch=allow_target_mismatch, max_len=max_len, model_name=model_name, engine=engine, export_dir=export_dir, draft_len=draft_len, draft_vocab=draft_vocab, compile_steps=compile_steps))
+        run(ServeConfig(target=target, drafter=drafter, host=host, port=port, api_key=api_key, device=device, dtype=dtype, allow_target_mismatch=allow_target_mismatch, max_len=max_len, model_name=model_name, engine=engine, export_dir=export_dir, draft_len=draft_len, draft_vocab=draft_vocab, short_block=short_block, compile_steps=compile_steps))

@@ -268,9 +268,10 @@ class DFlashDrafter(nn.Module):
         context features [b, T, H]."""
         return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
 
-    def _block_inputs(self, first_tokens: torch.Tensor, embed: Callable) -> torch.Tensor:
-        """first_tokens [..., 1] -> embeddings of [token, MASK x (B-1)]: [..., B, H]."""
-        masks = torch.full((*first_tokens.shape[:-1], self.block_size - 1), self.mask_token_id, dtype=first_tokens.dtype, device=first_tokens.device)
+    def _block_inputs(self, first_tokens: torch.Tensor, embed: Callable, block_len: int | None = None) -> torch.Tensor:
+        """first_tokens [..., 1] -> embeddings of [token, MASK x (n-1)]: [..., n, H], n = block_len
+        (default B)."""
+        masks = torch.full((*first_tokens.shape[:-1], (block_len or self.block_size) - 1), self.mask_token_id, dtype=first_tokens.dtype, device=first_tokens.device)
         return embed(torch.cat([first_tokens, masks], dim=-1)).to(self.fc.weight.dtype)
 
     # -- training path: all blocks of one sequence in one forward ------------------------------
@@ -338,7 +339,7 @@ class DFlashDrafter(nn.Module):
         cache.length = start_pos + n
 
     @torch.no_grad()
-    def draft(self, cache: DrafterCache, first_token, start_pos: int, embed: Callable, head: Callable, return_logits: bool = False, num_drafts: int | None = None):
+    def draft(self, cache: DrafterCache, first_token, start_pos: int, embed: Callable, head: Callable, return_logits: bool = False, num_drafts: int | None = None, block_len: int | None = None):
         """Denoise the block [first_token, MASK x (B-1)] at positions start_pos..start_pos+B-1
         against the cached context (positions < start_pos; the last W with a sliding window).
 
@@ -349,6 +350,11 @@ class DFlashDrafter(nn.Module):
         equal the first k of a full draft; only the LM head, over a vocabulary-wide matmul per
         slot, is skipped for the slots nobody will verify.
 
+        `block_len` n (default B; Engine(short_block=True) passes k + 1) runs the block over only
+        its first n slots, [first_token, MASK x (n-1)]: n/B of the block's work, but not the
+        trained function - the slots no longer see the later MASKs - so the drafts may differ
+        from a full block's (verification keeps the output the target's either way).
+
         A `head` with `vocab_ids` (qfd.draft_vocab.DraftVocabHead, `--draft-vocab N`) gives
         logits over those N ids only: the argmax is mapped back through them, and returned
         logits are scattered to [batch, k, V] with -inf outside the subset."""
@@ -358,14 +364,15 @@ class DFlashDrafter(nn.Module):
         first = torch.as_tensor(first_token, device=device, dtype=torch.long).reshape(-1, 1)
         if first.shape[0] == 1 and cache.k.shape[1] > 1:
             first = first.expand(cache.k.shape[1], 1)
-        h = self._block_inputs(first, embed)
-        positions = torch.arange(start_pos, start_pos + self.block_size, device=device).view(1, -1)
+        n = self.block_size if block_len is None else int(block_len)
+        k = n - 1 if num_drafts is None else int(num_drafts)
+        if not 2 <= n <= self.block_size or not 1 <= k <= n - 1:
+            raise ValueError(f"need 2 <= block_len <= {self.block_size} and 1 <= num_drafts <= block_len - 1 (got {block_len}, {num_drafts})")
+        h = self._block_inputs(first, embed, n)
+        positions = torch.arange(start_pos, start_pos + n, device=device).view(1, -1)
         lo = context_window_start(start_pos, self.cfg.sliding_window)
         for i, layer in enumerate(self.layers):
             h = layer(h, positions, cache.k[i, :, :, lo:start_pos], cache.v[i, :, :, lo:start_pos], None)
-        k = self.block_size - 1 if num_drafts is None else int(num_drafts)
-        if not 1 <= k <= self.block_size - 1:
-            raise ValueError(f"num_drafts must be in 1..{self.block_size - 1} (got {num_drafts})")
         hidden = self.norm(h[:, 1 : 1 + k])  # the final norm is per position: slicing first is exact
         weight = getattr(head, "weight", None)
         logits = head(hidden.to(weight.dtype) if weight is not None else hidden)

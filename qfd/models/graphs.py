@@ -113,24 +113,26 @@ class StaticDraftStep:
     """`drafter.draft()` with fixed shapes: the block attends to S context slots gathered from
     the drafter cache (S = the sliding window, else the cache's whole length), padding slots
     masked. Same tokens as `drafter.draft` (checked on the CPU). `num_drafts` (default B-1)
-    is fixed at capture: the block forward covers all B slots, the LM head only the first k.
+    is fixed at capture: the block forward covers all B slots (or `block_len`, see
+    drafter.draft), the LM head only the first k.
     A `head` with `vocab_ids` (qfd.draft_vocab.DraftVocabHead) is captured as it is: logits
     over its N ids, the argmax mapped back through them.
     `compile`: torch.compile the block forward (see `compile_step`) before warm-up and capture."""
 
-    def __init__(self, drafter, cache, embed: Callable, head: Callable, use_graphs: bool | None = None, num_drafts: int | None = None, compile: bool = False, compile_backend: str | Callable = "inductor"):
+    def __init__(self, drafter, cache, embed: Callable, head: Callable, use_graphs: bool | None = None, num_drafts: int | None = None, compile: bool = False, compile_backend: str | Callable = "inductor", block_len: int | None = None):
         self.drafter, self.cache, self.embed, self.head = drafter, cache, embed, head
         cfg = drafter.cfg
-        self.num_drafts = drafter.block_size - 1 if num_drafts is None else int(num_drafts)
-        if not 1 <= self.num_drafts <= drafter.block_size - 1:
-            raise ValueError(f"num_drafts must be in 1..{drafter.block_size - 1} (got {num_drafts})")
+        self.block_len = drafter.block_size if block_len is None else int(block_len)  # slots run (drafter.draft)
+        self.num_drafts = self.block_len - 1 if num_drafts is None else int(num_drafts)
+        if not 2 <= self.block_len <= drafter.block_size or not 1 <= self.num_drafts <= self.block_len - 1:
+            raise ValueError(f"need 2 <= block_len <= {drafter.block_size} and 1 <= num_drafts <= block_len - 1 (got {block_len}, {num_drafts})")
         device = cache.k.device
         self.window = min(cfg.sliding_window or cache.max_len, cache.max_len)
         self.use_graphs = (device.type == "cuda") if use_graphs is None else use_graphs
         self.first = torch.zeros(1, 1, dtype=torch.long, device=device)
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.slots = torch.arange(self.window, device=device)
-        self.block_offsets = torch.arange(drafter.block_size, device=device)
+        self.block_offsets = torch.arange(self.block_len, device=device)
         self.graph = None
         self.compiled = bool(compile)
         self.step_fn = compile_step(self._forward, compile_backend) if compile else self._forward
@@ -154,8 +156,8 @@ class StaticDraftStep:
         context_positions = self.start - self.window + self.slots
         visible = context_positions >= 0
         index = context_positions.clamp_min(0)
-        mask = torch.cat([visible, torch.ones_like(self.block_offsets, dtype=torch.bool)]).expand(d.block_size, -1)
-        h = d._block_inputs(self.first, self.embed)
+        mask = torch.cat([visible, torch.ones_like(self.block_offsets, dtype=torch.bool)]).expand(self.block_len, -1)
+        h = d._block_inputs(self.first, self.embed, self.block_len)
         positions = (self.start + self.block_offsets).view(1, -1)
         for i, layer in enumerate(d.layers):
             k_ctx = cache.k[i].index_select(2, index)

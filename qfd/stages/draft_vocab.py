@@ -15,7 +15,7 @@ from pathlib import Path
 
 from qfd.checkpoint import CONFIG_NAME, DRAFT_VOCAB_NAME, Staging, read_json
 from qfd.errors import QfdError
-from qfd.manifest import MANIFEST_NAME, fingerprint, read_manifest
+from qfd.manifest import MANIFEST_NAME, read_manifest
 
 STAGE = "draft-vocab"
 REPORTED_SIZES = (4096, 8192, 16384)  # coverage of the top N, in the manifest's metrics
@@ -66,19 +66,11 @@ def _data_vocab(manifest: dict) -> int | None:
     return (config.get("text_config") or config).get("vocab_size")
 
 
-def _target_pin(drafter: Path) -> Path | None:
-    """The drafter's pinned target, when that directory still has the pinned fingerprint (the
-    output then pins it too: serving it needs no --allow-target-mismatch)."""
-    from qfd.console import console
-
-    pinned = next((p for p in (read_manifest(drafter) or {}).get("parents", []) if p.get("role") == "target"), None)
-    if pinned is None:
-        return None
-    path = Path(pinned.get("path", ""))
-    if path.is_dir() and fingerprint(path) == pinned.get("fingerprint"):
-        return path
-    console.print(f"[bold yellow]warning:[/bold yellow] the drafter's target {path} is gone or changed; the output pins no target", highlight=False)
-    return None
+def _target_pin(drafter: Path) -> dict | None:
+    """The drafter's target pin, carried over as recorded: the output pins the same target
+    fingerprint (serving it needs no --allow-target-mismatch), also for a drafter trained on
+    another machine whose target path does not exist here."""
+    return next((p for p in (read_manifest(drafter) or {}).get("parents", []) if p.get("role") == "target"), None)
 
 
 def run(cfg: DraftVocabConfig) -> Path:

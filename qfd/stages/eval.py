@@ -50,6 +50,7 @@ class EvalConfig:
     prompts: Path | None = None
     draft_len: int | None = None  # drafts verified per step by the system's engine (None: B-1)
     draft_vocab: int | None = None  # the drafter's LM head over its N most frequent ids (None: all; qfd.draft_vocab)
+    short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
     compile_steps: bool = False  # torch.compile the engine's fixed-shape steps (every system)
 
 
@@ -87,16 +88,19 @@ def validate(cfg: EvalConfig) -> dict[str, Any]:
         if not (drafter / "config.json").is_file():
             raise QfdError(f"drafter {drafter} is not a drafter directory (no config.json); pass the output of `qfd draft train`")
         plan["drafter"] = drafter.resolve()
-        from qfd.engine import check_draft_len
+        from qfd.engine import check_draft_len, check_short_block_flag
         from qfd.models.drafter import read_drafter_config
 
         check_draft_len(cfg.draft_len, read_drafter_config(drafter).block_size)
+        check_short_block_flag(cfg.short_block, cfg.draft_len)
         from qfd.draft_vocab import check_draft_vocab, check_draft_vocab_flag
 
         check_draft_vocab_flag(cfg.draft_vocab, cfg.drafter)
         check_draft_vocab(drafter, cfg.draft_vocab)
     elif cfg.draft_len is not None:
         raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
+    elif cfg.short_block:
+        raise QfdError("--short-block needs a drafter (--drafter) and --draft-len")
     elif cfg.draft_vocab is not None:
         raise QfdError("--draft-vocab needs a drafter (--drafter); target-only decoding drafts nothing")
     if cfg.compile_steps and cfg.backend == "hf":
@@ -177,7 +181,7 @@ def run(cfg: EvalConfig) -> Path:
         need_quality = [t for t in own_tasks if not (state / f"{system.role}-{t}.json").is_file()]
         need_latency = "latency" in cfg.tasks and not (state / f"{system.role}-latency.json").is_file()
         if need_quality or need_latency:
-            loaded = load_system(system, plan["backend"], device, dtype, max_len=_max_len(cfg, plan), draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab)
+            loaded = load_system(system, plan["backend"], device, dtype, max_len=_max_len(cfg, plan), draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block)
             for task in need_quality:
                 _run_quality(loaded, task, cfg, include_dir, staging.path, state / f"{system.role}-{task}.json", system)
             if need_latency:
@@ -237,7 +241,7 @@ class LoadedSystem:
         self.tokenizer, self.generator, self.timed, self.engine = tokenizer, generator, timed, engine
 
 
-def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: int, draft_len: int | None = None, compile_steps: bool = False, draft_vocab: int | None = None) -> LoadedSystem:
+def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: int, draft_len: int | None = None, compile_steps: bool = False, draft_vocab: int | None = None, short_block: bool = False) -> LoadedSystem:
     from qfd.harness import EngineGenerator, HFGenerator
     from qfd.latency import engine_timed_generate, hf_timed_generate
 
@@ -260,7 +264,7 @@ def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: 
     # The engine preallocates its caches for max_len: no more than this run needs or the model has.
     # draft_len and draft_vocab concern the system with the drafter; baselines run target-only
     engine = Engine(target, tokenizer, drafter=drafter, max_len=min(max_len, int(target.config.max_position_embeddings)), draft_len=draft_len if drafter is not None else None, compile_steps=compile_steps,
-                    draft_vocab=draft_vocab if drafter is not None else None)
+                    draft_vocab=draft_vocab if drafter is not None else None, short_block=short_block and drafter is not None)
     return LoadedSystem(tokenizer, EngineGenerator(engine, tokenizer), engine_timed_generate(engine, device), engine)
 
 

@@ -36,6 +36,7 @@ class GenerateConfig:
     allow_target_mismatch: bool = False
     draft_len: int | None = None  # drafts verified per step (None: the drafter's B-1)
     draft_vocab: int | None = None  # drafter LM head over the N most frequent ids (None: all; qfd.draft_vocab)
+    short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
     compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
 
 
@@ -77,6 +78,9 @@ def check_config(cfg: GenerateConfig) -> None:
     if cfg.draft_len is not None and cfg.draft_len < 1:
         raise QfdError(f"--draft-len must be >= 1 (got {cfg.draft_len})")
     from qfd.draft_vocab import check_draft_vocab_flag
+    from qfd.engine import check_short_block_flag
+
+    check_short_block_flag(cfg.short_block, cfg.draft_len)
 
     check_draft_vocab_flag(cfg.draft_vocab, cfg.drafter)
 
@@ -233,7 +237,7 @@ def _run_engine(model, tokenizer, prompt_ids, cfg: GenerateConfig, stop_ids, wri
         from qfd.console import console
 
         console.print("[dim]compiling the fixed-shape steps (torch.compile; the first start is slow)[/dim]", highlight=False)
-    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids, draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab)
+    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids, draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
     result = engine.generate(prompt_ids, gen, on_tokens=lambda ids, text: write(text) if text else None)
     stats = result.stats

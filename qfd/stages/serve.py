@@ -29,6 +29,7 @@ class ServeConfig:
     export_dir: Path | None = None  # --engine vllm: where the export goes (default: the qfd cache)
     draft_len: int | None = None  # drafts verified per step (None: the drafter's B-1)
     draft_vocab: int | None = None  # drafter LM head over the N most frequent ids (None: all; qfd.draft_vocab)
+    short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
     compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
 
 
@@ -52,6 +53,9 @@ def check_config(cfg: ServeConfig) -> None:
         raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
     if cfg.draft_len is not None and cfg.draft_len < 1:
         raise QfdError(f"--draft-len must be >= 1 (got {cfg.draft_len})")
+    from qfd.engine import check_short_block_flag
+
+    check_short_block_flag(cfg.short_block, cfg.draft_len)
     from qfd.draft_vocab import check_draft_vocab_flag
 
     check_draft_vocab_flag(cfg.draft_vocab, cfg.drafter)
@@ -95,7 +99,7 @@ def build(cfg: ServeConfig):
     max_len = cfg.max_len or target.config.max_position_embeddings
     if cfg.compile_steps:
         console.print("[dim]compiling the fixed-shape steps (torch.compile; the first start is slow)[/dim]", highlight=False)
-    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer), draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab)
+    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer), draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block)
     name = cfg.model_name or (cfg.target if not Path(cfg.target).expanduser().exists() else model_dir.path.name)
     if not is_loopback(cfg.host) and not cfg.api_key:
         console.print(f"[bold yellow]warning:[/bold yellow] serving on {cfg.host} without --api-key: anyone who can reach this port can use the model", highlight=False)
@@ -138,6 +142,8 @@ def run_vllm(cfg: ServeConfig) -> None:
     if cfg.draft_len is not None:
         # vLLM takes its draft count from the export's speculative config (B-1); not mapped here
         raise QfdError("--draft-len applies to --engine qfd; vLLM drafts the export's num_speculative_tokens")
+    if cfg.short_block:
+        raise QfdError("--short-block applies to --engine qfd; vLLM's DFlash drafter runs the whole block")
     if cfg.draft_vocab is not None:
         raise QfdError("--draft-vocab applies to --engine qfd; vLLM's DFlash drafter uses the full LM head")
     if cfg.compile_steps:
@@ -172,6 +178,7 @@ def run(cfg: ServeConfig) -> Path:
     host, port = server.server_address[:2]
     engine = server.app.engine
     vocab = f", draft vocabulary {engine.draft_vocab}" if engine.draft_vocab else ""
+    vocab += ", short block" if engine.short_block else ""
     mode = f"speculative (DFlash, block {engine.block_size}, {engine.draft_len} drafts per step{vocab})" if engine.drafter is not None else "target-only"
     console.print(f"[bold green]qfd serve[/bold green] model [bold]{server.app.model_name}[/bold], {mode}, context {engine.max_len}, on http://{host}:{port}/v1", highlight=False)
     try:
