@@ -306,12 +306,17 @@ def chat_drafters(tiny_chat_checkpoints, tmp_path_factory):
     return target, root / "plain", root / "counted"
 
 
+def engine_command(command: str, target: str) -> list[str]:
+    """The start of a generate / serve / eval command line on `target` (CPU), for flag checks."""
+    return {"generate": ["generate", "--target", target, "--prompt", "hi", "--device", "cpu"],
+            "serve": ["serve", "--target", target, "--device", "cpu", "--port", "0"],
+            "eval": ["eval", "latency", "--target", target, "--device", "cpu"]}[command]
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "eval"])
 def test_cli_draft_vocab_errors_are_one_line(chat_drafters, capsys, command):
     target, plain, counted = map(str, chat_drafters)
-    base = {"generate": ["generate", "--target", target, "--prompt", "hi", "--device", "cpu"],
-            "serve": ["serve", "--target", target, "--device", "cpu", "--port", "0"],
-            "eval": ["eval", "latency", "--target", target, "--device", "cpu"]}[command]
+    base = engine_command(command, target)
     cases = [(["--draft-vocab", "8"], "needs a drafter"), (["--drafter", plain, "--draft-vocab", "8"], "has no draft vocabulary"),
              (["--drafter", counted, "--draft-vocab", "0"], "--draft-vocab must be"), (["--drafter", counted, "--draft-vocab", "49153"], "must be in 1..49152")]
     for flags, words in cases:

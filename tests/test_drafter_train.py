@@ -231,6 +231,25 @@ def test_stage1_warm_start_begins_where_the_init_drafter_ended(tmp_path, tiny_se
     assert "not in the lineage" not in printed.out + printed.err
 
 
+def test_a_warm_start_keeps_the_init_block_size_unless_told(tmp_path, tiny_setup):
+    """--block-size with --init re-trains the same weights on blocks of another size (e.g. the
+    k + 1 slots a CPU verifies); without it the init drafter's B is kept."""
+    from qfd.manifest import read_manifest
+    from qfd.models.drafter import load_drafter
+
+    target_dir, model, records = tiny_setup
+    data = _data_dir(tmp_path / "data", target_dir, records[:12])
+    common = ("--stage", 1, "--target", target_dir, "--data", data, "--layers", 1, "--grad-accum", 1, "--max-anchors", 8, "--eval-fraction", 0.1, "--steps", 1)
+    _train_cli(*common, "--block-size", 6, "--out", tmp_path / "b6")
+    _train_cli(*common, "--init", tmp_path / "b6", "--out", tmp_path / "kept")
+    _train_cli(*common, "--init", tmp_path / "b6", "--block-size", 3, "--out", tmp_path / "b3")
+    assert load_drafter(tmp_path / "kept").cfg.block_size == 6
+    assert load_drafter(tmp_path / "b3").cfg.block_size == 3
+    assert len(read_manifest(tmp_path / "b3")["metrics"]["accuracy_per_position"]) == 2
+    with pytest.raises(QfdError, match="--block-size must be >= 2"):
+        _train_cli(*common, "--init", tmp_path / "b6", "--block-size", 1, "--out", tmp_path / "bad")
+
+
 def test_a_run_cut_by_max_minutes_is_saved_and_continues(tmp_path, tiny_setup, monkeypatch):
     from qfd import drafter_trainer
     from qfd.manifest import read_manifest

@@ -80,16 +80,13 @@ def test_short_block_without_a_draft_len_runs_the_whole_block(targets, tiny_chec
 
 
 # --- the CLI: --short-block on generate, serve and eval ------------------------------------------
-from tests.test_draft_vocab import _cli, _one_error_line, chat_drafters  # noqa: E402,F401 (helpers, fixture)
+from tests.test_draft_vocab import _cli, _one_error_line, chat_drafters, engine_command  # noqa: E402,F401 (helpers, fixture)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "eval"])
 def test_cli_short_block_without_a_draft_len_is_one_error_line(chat_drafters, capsys, command):
     target, plain, _ = map(str, chat_drafters)
-    base = {"generate": ["generate", "--target", target, "--prompt", "hi", "--device", "cpu"],
-            "serve": ["serve", "--target", target, "--device", "cpu", "--port", "0"],
-            "eval": ["eval", "latency", "--target", target, "--device", "cpu"]}[command]
-    _one_error_line(*_cli([*base, "--drafter", plain, "--short-block"], capsys)[::2], "--short-block needs --draft-len")
+    _one_error_line(*_cli([*engine_command(command, target), "--drafter", plain, "--short-block"], capsys)[::2], "--short-block needs --draft-len")
 
 
 def test_cli_generate_and_serve_with_a_short_block(chat_drafters, capsys):

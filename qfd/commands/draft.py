@@ -66,7 +66,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         gen_batch_size: int = typer.Option(8, "--gen-batch-size"),
         init: Optional[Path] = typer.Option(None, "--init", help="Stage 2: the stage-1 drafter to continue from. Stage 1: an earlier drafter of this target to warm-start from (a new schedule, e.g. more data or steps)."),
         layers: int = typer.Option(5, "--layers", help="Drafter decoder layers (paper: 5)."),
-        block_size: int = typer.Option(16, "--block-size", help="Block size B (B-1 drafts per step)."),
+        block_size: Optional[int] = typer.Option(None, "--block-size", help="Block size B (B-1 drafts per step); default 16, with --init the init drafter's (another B re-trains it on blocks of B)."),
         taps: Optional[str] = typer.Option(None, "--taps", help="Target layers to tap, e.g. 1,8,15,22,29 (default: 5 spread from 1 to n-3)."),
         sliding_window: Optional[int] = typer.Option(None, "--sliding-window", help="Attend only to the last W context tokens (trained with the window)."),
         lr: float = typer.Option(6e-4, "--lr"),

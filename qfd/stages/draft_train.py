@@ -35,7 +35,7 @@ class DraftTrainConfig:
     gen_batch_size: int = 8
     init: Path | None = None  # stage 2: the stage-1 drafter; stage 1: an earlier drafter to warm-start from
     layers: int = 5
-    block_size: int = 16
+    block_size: int | None = None  # None: 16 from scratch, the --init drafter's with --init
     taps: tuple[int, ...] | None = None
     num_taps: int = 5
     sliding_window: int | None = None
@@ -74,13 +74,15 @@ def _check_inputs(cfg: DraftTrainConfig, target) -> None:
         raise QfdError("--extra-data adds training text to --data; give --data too (its held-out split measures E[tau])")
     if cfg.gamma is not None and cfg.gamma <= 0:
         raise QfdError(f"--gamma must be > 0 (got {cfg.gamma})")
+    if cfg.block_size is not None and cfg.block_size < 2:
+        raise QfdError("--block-size must be >= 2 and --layers >= 1")
     if cfg.stage == 1:
         if target.is_quantized:
             raise QfdError(f"--stage 1 trains against the BF16 target, but {target.path} is quantized (quantization_config); pass the BF16 model, or use --stage 2 --init STAGE1DIR")
         if cfg.init is not None:  # a warm start: an earlier stage-1 drafter, a new schedule
             check_compatible(read_drafter_config(cfg.init), target.config, where=f"--init drafter {cfg.init}")
             _warn_lineage(Path(cfg.init), target.path)
-        if cfg.block_size < 2 or cfg.layers < 1:
+        if cfg.layers < 1:
             raise QfdError("--block-size must be >= 2 and --layers >= 1")
     else:
         if cfg.init is None:
@@ -174,11 +176,16 @@ def run(cfg: DraftTrainConfig) -> Path:
 
     if cfg.init is None:  # stage 1 from scratch (stage 2 always has --init)
         torch.manual_seed(cfg.seed)
-        drafter_cfg = config_for_target(target.config, tokenizer, num_layers=cfg.layers, block_size=cfg.block_size, taps=cfg.taps, num_taps=cfg.num_taps, sliding_window=cfg.sliding_window)
+        drafter_cfg = config_for_target(target.config, tokenizer, num_layers=cfg.layers, block_size=cfg.block_size or 16, taps=cfg.taps, num_taps=cfg.num_taps, sliding_window=cfg.sliding_window)
         drafter = DFlashDrafter(drafter_cfg)
     else:
         window = "config" if cfg.sliding_window is None else cfg.sliding_window
         drafter = load_drafter(cfg.init, device="cpu", dtype=torch.float32, sliding_window=window)
+        if cfg.block_size is not None and cfg.block_size != drafter.block_size:
+            # The weights do not depend on B: the same drafter is trained on blocks of another
+            # size (e.g. the k + 1 a CPU verifies), a new function of the same parameters.
+            console.print(f"[dim]--block-size {cfg.block_size}: training the --init drafter (block {drafter.block_size}) on blocks of {cfg.block_size}[/dim]", highlight=False)
+            drafter.cfg = drafter.cfg.with_(block_size=cfg.block_size)
     drafter = drafter.to(device=device, dtype=torch.float32)
 
     # Token counts of every given response (--data and --extra-data, or the generated ones), for
