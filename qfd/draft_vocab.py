@@ -28,12 +28,11 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qfd.checkpoint import DRAFT_VOCAB_NAME
 from qfd.errors import QfdError
-from qfd.models.linear import small_rows_linear, use_small_rows
+from qfd.models.linear import linear
 
 COUNTS_KEY = "token_counts"
 MAKE_ONE = "make one with `qfd draft vocab --drafter D --data DATA --out D2`"
@@ -152,9 +151,7 @@ class DraftVocabHead(nn.Module):
         return cls(weight, vocab_ids, getattr(head, "bias", None))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if use_small_rows(hidden, self.weight):
-            return small_rows_linear(hidden, self.weight, self.bias)
-        return F.linear(hidden, self.weight, self.bias)
+        return linear(hidden, self.weight, self.bias)
 
     def to_vocab(self, index: torch.Tensor) -> torch.Tensor:
         """Indices into this head's logits -> vocabulary ids (same shape)."""

@@ -338,8 +338,7 @@ class _Run:
             if e.draft_step is not None:
                 drafts = e.draft_step(last, L)[0]
             else:
-                short = {"block_len": e.draft_block_len} if e.short_block else {}  # only then: drafters without the option still work
-                drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.draft_head, num_drafts=e.draft_len, **short)[0]
+                drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.draft_head, num_drafts=e.draft_len, block_len=e.draft_block_len)[0]
             block = torch.cat([block, drafts.view(1, -1).to(block.dtype)], dim=1)
         out = e.forward(block, e.cache, tap_layers=e.tap_layers)
         verdict = verify(drafts, out.logits[0], self.params, None, self.generator)

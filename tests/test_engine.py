@@ -69,7 +69,7 @@ class OracleDrafter:
         cache.length = start_pos + n
 
     @torch.no_grad()
-    def draft(self, cache, first_token, start_pos, embed, head, num_drafts=None):
+    def draft(self, cache, first_token, start_pos, embed, head, num_drafts=None, block_len=None):  # block_len: an oracle needs no block
         ids = cache.ids[:start_pos] + [int(first_token)]
         proposals = []
         for _ in range(self.block_size - 1 if num_drafts is None else num_drafts):

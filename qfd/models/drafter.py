@@ -364,10 +364,7 @@ class DFlashDrafter(nn.Module):
         first = torch.as_tensor(first_token, device=device, dtype=torch.long).reshape(-1, 1)
         if first.shape[0] == 1 and cache.k.shape[1] > 1:
             first = first.expand(cache.k.shape[1], 1)
-        n = self.block_size if block_len is None else int(block_len)
-        k = n - 1 if num_drafts is None else int(num_drafts)
-        if not 2 <= n <= self.block_size or not 1 <= k <= n - 1:
-            raise ValueError(f"need 2 <= block_len <= {self.block_size} and 1 <= num_drafts <= block_len - 1 (got {block_len}, {num_drafts})")
+        n, k = self.block_shape(block_len, num_drafts)
         h = self._block_inputs(first, embed, n)
         positions = torch.arange(start_pos, start_pos + n, device=device).view(1, -1)
         lo = context_window_start(start_pos, self.cfg.sliding_window)
@@ -377,14 +374,19 @@ class DFlashDrafter(nn.Module):
         weight = getattr(head, "weight", None)
         logits = head(hidden.to(weight.dtype) if weight is not None else hidden)
         tokens = logits.argmax(-1)
-        vocab_ids = getattr(head, "vocab_ids", None)
-        if vocab_ids is not None:  # a draft vocabulary: subset index -> vocabulary id
-            tokens = vocab_ids[tokens]
-            if return_logits:
-                full = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))
-                full[..., vocab_ids] = logits
-                logits = full
+        if getattr(head, "vocab_ids", None) is not None:  # a draft vocabulary: subset index -> vocabulary id
+            tokens = head.to_vocab(tokens)
+            logits = head.full_logits(logits) if return_logits else logits
         return (tokens, logits) if return_logits else tokens
+
+    def block_shape(self, block_len: int | None, num_drafts: int | None) -> tuple[int, int]:
+        """(n, k): the block slots a draft runs (default B) and the drafts it returns (default
+        n - 1), checked: 2 <= n <= B and 1 <= k <= n - 1."""
+        n = self.block_size if block_len is None else int(block_len)
+        k = n - 1 if num_drafts is None else int(num_drafts)
+        if not 2 <= n <= self.block_size or not 1 <= k <= n - 1:
+            raise ValueError(f"need 2 <= block_len <= {self.block_size} and 1 <= num_drafts <= block_len - 1 (got {block_len}, {num_drafts})")
+        return n, k
 
 
 def num_parameters(drafter: DFlashDrafter) -> int:

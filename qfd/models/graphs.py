@@ -122,10 +122,7 @@ class StaticDraftStep:
     def __init__(self, drafter, cache, embed: Callable, head: Callable, use_graphs: bool | None = None, num_drafts: int | None = None, compile: bool = False, compile_backend: str | Callable = "inductor", block_len: int | None = None):
         self.drafter, self.cache, self.embed, self.head = drafter, cache, embed, head
         cfg = drafter.cfg
-        self.block_len = drafter.block_size if block_len is None else int(block_len)  # slots run (drafter.draft)
-        self.num_drafts = self.block_len - 1 if num_drafts is None else int(num_drafts)
-        if not 2 <= self.block_len <= drafter.block_size or not 1 <= self.num_drafts <= self.block_len - 1:
-            raise ValueError(f"need 2 <= block_len <= {drafter.block_size} and 1 <= num_drafts <= block_len - 1 (got {block_len}, {num_drafts})")
+        self.block_len, self.num_drafts = drafter.block_shape(block_len, num_drafts)  # slots run, drafts returned
         device = cache.k.device
         self.window = min(cfg.sliding_window or cache.max_len, cache.max_len)
         self.use_graphs = (device.type == "cuda") if use_graphs is None else use_graphs
@@ -167,7 +164,7 @@ class StaticDraftStep:
         weight = getattr(self.head, "weight", None)
         tokens = self.head(hidden.to(weight.dtype) if weight is not None else hidden).argmax(-1)
         vocab_ids = getattr(self.head, "vocab_ids", None)  # a draft vocabulary (qfd.draft_vocab)
-        return tokens if vocab_ids is None else vocab_ids[tokens]
+        return tokens if vocab_ids is None else self.head.to_vocab(tokens)
 
     @torch.inference_mode()
     def __call__(self, first_token: int, start_pos: int) -> torch.Tensor:

@@ -65,11 +65,16 @@ def use_small_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through `small_rows_linear` where `use_small_rows` says it is faster."""
+    if use_small_rows(x, weight):
+        return small_rows_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, keys and init) whose forward takes `small_rows_linear` for
     at most SMALL_ROWS float32 rows on the CPU; see the module docstring."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_small_rows(x, self.weight):
-            return small_rows_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
