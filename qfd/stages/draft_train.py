@@ -75,7 +75,7 @@ def _check_inputs(cfg: DraftTrainConfig, target) -> None:
     if cfg.gamma is not None and cfg.gamma <= 0:
         raise QfdError(f"--gamma must be > 0 (got {cfg.gamma})")
     if cfg.block_size is not None and cfg.block_size < 2:
-        raise QfdError("--block-size must be >= 2 and --layers >= 1")
+        raise QfdError(f"--block-size must be >= 2 (got {cfg.block_size})")
     if cfg.stage == 1:
         if target.is_quantized:
             raise QfdError(f"--stage 1 trains against the BF16 target, but {target.path} is quantized (quantization_config); pass the BF16 model, or use --stage 2 --init STAGE1DIR")
@@ -83,7 +83,7 @@ def _check_inputs(cfg: DraftTrainConfig, target) -> None:
             check_compatible(read_drafter_config(cfg.init), target.config, where=f"--init drafter {cfg.init}")
             _warn_lineage(Path(cfg.init), target.path)
         if cfg.layers < 1:
-            raise QfdError("--block-size must be >= 2 and --layers >= 1")
+            raise QfdError(f"--layers must be >= 1 (got {cfg.layers})")
     else:
         if cfg.init is None:
             raise QfdError("--stage 2 needs --init STAGE1DIR: the stage-1 drafter it continues from")
