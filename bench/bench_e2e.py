@@ -146,21 +146,25 @@ def main() -> None:
     modes = ([("eager", False)] if eager else []) + ([("CUDA graphs", True)] if graphs else [])
     compiled = "CUDA graphs + compile" if graphs else "static + compile"
 
+    def add(name, row):  # every row is saved as it comes: a run cut by a time limit keeps the rows it has
+        rows[name] = row
+        args.out.write_text(json.dumps({"partial": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in rows.items()}}, indent=2))
+
     def compiled_row(name, **engine_args):  # a compile failure must not lose the other rows
         try:
             start = time.perf_counter()
             engine = Engine(target, tokenizer, max_len=max_len, compile_steps=True, **engine_args)
             build_s = time.perf_counter() - start  # compile + warm-up + capture: the slow first start
-            rows[name] = run_engine(engine, prompt_ids, args.max_new_tokens) | {"build_s": build_s}
+            add(name, run_engine(engine, prompt_ids, args.max_new_tokens) | {"build_s": build_s})
         except Exception as exc:
             print(f"{name} failed: {type(exc).__name__}: {exc}")
 
     for label, graphed in modes:
-        rows[f"qfd target-only ({label})"] = run_engine(Engine(target, tokenizer, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
+        add(f"qfd target-only ({label})", run_engine(Engine(target, tokenizer, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens))
     if args.compile:
         compiled_row(f"qfd target-only ({compiled})")
     for label, graphed in modes:
-        rows[f"qfd + DFlash ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
+        add(f"qfd + DFlash ({label})", run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens))
     if args.compile:
         compiled_row(f"qfd + DFlash ({compiled})", drafter=drafter)
     shorts = [False, True] if args.short_block else [False]
@@ -171,14 +175,13 @@ def main() -> None:
                     parts = [f"draft vocab {v}"] * (v is not None) + [f"draft length {k}"] * (k is not None) + ["short block"] * short
                     name = f"qfd + DFlash, {', '.join(parts)} ({label})"
                     engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, draft_len=k, draft_vocab=v, short_block=short)
-                    rows[name] = run_engine(engine, prompt_ids, args.max_new_tokens)
+                    add(name, run_engine(engine, prompt_ids, args.max_new_tokens))
     full_window = drafter.cfg
     for window in [int(w) for w in args.windows.split(",") if w]:
         drafter.cfg = replace(full_window, sliding_window=window)
         label, graphed = modes[-1]
-        rows[f"qfd + DFlash, drafter window {window} ({label})"] = run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens)
+        add(f"qfd + DFlash, drafter window {window} ({label})", run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed), prompt_ids, args.max_new_tokens))
     drafter.cfg = full_window
-    args.out.write_text(json.dumps({"partial": {k: {kk: vv for kk, vv in v.items() if kk != "outputs"} for k, v in rows.items()}}, indent=2))
     if not args.no_hf:
         rows["transformers generate (dynamic)"] = run_hf(target_dir, prompt_ids, args.max_new_tokens, device, dtype, compile_=False)
     if args.hf_compile and not args.no_hf and device.type == "cuda":

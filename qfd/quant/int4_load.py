@@ -51,11 +51,11 @@ def load_int4_module(module: nn.Module, directory: str | Path, device="cpu", dty
 
         swap_int4_linears(module, ckpt.qweights)
         for path in ckpt.qweights:
-            _give_dtype_probe(dict(module.named_modules())[path], device, dtype)
+            give_dtype_probe(dict(module.named_modules())[path], device, dtype)
     return module.eval()
 
 
-def _give_dtype_probe(linear: nn.Module, device, dtype: torch.dtype) -> None:
+def give_dtype_probe(linear: nn.Module, device, dtype: torch.dtype) -> None:
     """Int4Linear has no `.weight`; code that asks a linear for its dtype/device
     (`layer.weight.dtype`) gets an empty, non-persistent stand-in that follows `.to()`."""
     if getattr(linear, "weight", None) is None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from qfd.errors import QfdError
 
+GRAPH_MAX_LEN = 16384  # the longest context served with CUDA graphs (see run())
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -99,7 +101,13 @@ def build(cfg: ServeConfig):
     max_len = cfg.max_len or target.config.max_position_embeddings
     if cfg.compile_steps:
         console.print("[dim]compiling the fixed-shape steps (torch.compile; the first start is slow)[/dim]", highlight=False)
-    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer), draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block)
+    # CUDA graphs (the engine's default on a GPU) replay fixed shapes: every decode step attends
+    # over the whole static cache, so a context of the model's full length (e.g. 262K) would make
+    # each step pay for it. Past GRAPH_MAX_LEN the server runs eagerly unless --max-len caps it.
+    graphs = None if max_len <= GRAPH_MAX_LEN else False
+    if graphs is False and device.type == "cuda" and not cfg.compile_steps:
+        console.print(f"[dim]context {max_len} > {GRAPH_MAX_LEN}: eager steps, no CUDA graphs (pass --max-len to cap the context and use them)[/dim]", highlight=False)
+    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer), draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block, cuda_graphs=graphs)
     name = cfg.model_name or (cfg.target if not Path(cfg.target).expanduser().exists() else model_dir.path.name)
     if not is_loopback(cfg.host) and not cfg.api_key:
         console.print(f"[bold yellow]warning:[/bold yellow] serving on {cfg.host} without --api-key: anyone who can reach this port can use the model", highlight=False)
@@ -180,7 +188,8 @@ def run(cfg: ServeConfig) -> Path:
     vocab = f", draft vocabulary {engine.draft_vocab}" if engine.draft_vocab else ""
     vocab += ", short block" if engine.short_block else ""
     mode = f"speculative (DFlash, block {engine.block_size}, {engine.draft_len} drafts per step{vocab})" if engine.drafter is not None else "target-only"
-    console.print(f"[bold green]qfd serve[/bold green] model [bold]{server.app.model_name}[/bold], {mode}, context {engine.max_len}, on http://{host}:{port}/v1", highlight=False)
+    steps = ", CUDA graphs" if engine.cuda_graphs and engine.device.type == "cuda" else ""
+    console.print(f"[bold green]qfd serve[/bold green] model [bold]{server.app.model_name}[/bold], {mode}, context {engine.max_len}{steps}, on http://{host}:{port}/v1", highlight=False)
     try:
         server.serve_forever(poll_interval=0.2)
     except KeyboardInterrupt:
