@@ -6,6 +6,8 @@ import typer
 
 # Shared by generate, serve and eval (import-light: no torch here, so --help stays instant).
 DRAFT_LEN_HELP = "Drafts verified per step (default B-1); shorter suits compute-bound CPUs."
+DRAFT_LEN_AUTO_HELP = (DRAFT_LEN_HELP + " 'auto': time each k on this machine at start (a few seconds) and take the one of the "
+                       "highest projected speedup, from the drafter's recorded acceptance.")
 DRAFT_VOCAB_HELP = ("The drafter's LM head over only the N most frequent tokens of its training data (e.g. 8192): a cheaper "
                     "draft step on a CPU, the same output (the target verifies every token). Needs the drafter's "
                     "draft_vocab.safetensors (written by `qfd draft train`; add one with `qfd draft vocab`).")
@@ -29,7 +31,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         dtype: str = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16."),
         drafter: str = typer.Option(None, "--drafter", "-d", help="DFlash drafter directory: speculative decoding (same output distribution, faster)."),
         allow_target_mismatch: bool = typer.Option(False, "--allow-target-mismatch", help="Use a drafter pinned to another target fingerprint (loud warning)."),
-        draft_len: int = typer.Option(None, "--draft-len", help=DRAFT_LEN_HELP),
+        draft_len: str = typer.Option(None, "--draft-len", help=DRAFT_LEN_AUTO_HELP, metavar="K|auto"),
         draft_vocab: int = typer.Option(None, "--draft-vocab", help=DRAFT_VOCAB_HELP),
         short_block: bool = typer.Option(False, "--short-block", help=SHORT_BLOCK_HELP),
         compile_steps: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
@@ -40,11 +42,12 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         from transformers.utils import logging as hf_logging
 
         from qfd.console import console
+        from qfd.draft_len_auto import parse_draft_len
         from qfd.stages.generate import GenerateConfig, run
 
         hf_logging.set_verbosity_error()  # keep the terminal to the answer and our stats line
 
-        cfg = GenerateConfig(target=target, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, device=device, dtype=dtype, drafter=drafter, allow_target_mismatch=allow_target_mismatch, draft_len=draft_len, draft_vocab=draft_vocab, short_block=short_block, compile_steps=compile_steps)
+        cfg = GenerateConfig(target=target, prompt=prompt, chat=chat, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, device=device, dtype=dtype, drafter=drafter, allow_target_mismatch=allow_target_mismatch, draft_len=parse_draft_len(draft_len), draft_vocab=draft_vocab, short_block=short_block, compile_steps=compile_steps)
         result = run(cfg)
         sys.stdout.write("\n")  # end the streamed line before the stats (stderr)
         sys.stdout.flush()

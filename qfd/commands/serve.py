@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_HELP, DRAFT_VOCAB_HELP, SHORT_BLOCK_HELP
+from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_AUTO_HELP, DRAFT_VOCAB_HELP, SHORT_BLOCK_HELP
 
 
 def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
@@ -24,12 +24,13 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         allow_target_mismatch: bool = typer.Option(False, "--allow-target-mismatch", help="Serve a drafter pinned to another target fingerprint (loud warning)."),
         engine: str = typer.Option("qfd", "--engine", help="qfd (this package's engine) or vllm (export the pair as `qfd export vllm` does, then run `vllm serve` with DFlash; needs vLLM installed)."),
         export_dir: Path = typer.Option(None, "--export-dir", help="--engine vllm: where to write the export (default: ~/.cache/qfd/vllm-exports/)."),
-        draft_len: int = typer.Option(None, "--draft-len", help=DRAFT_LEN_HELP),
+        draft_len: str = typer.Option(None, "--draft-len", help=DRAFT_LEN_AUTO_HELP, metavar="K|auto"),
         draft_vocab: int = typer.Option(None, "--draft-vocab", help=DRAFT_VOCAB_HELP),
         short_block: bool = typer.Option(False, "--short-block", help=SHORT_BLOCK_HELP),
         compile_steps: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
     ) -> None:
         """Serve /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health, /metrics."""
+        from qfd.draft_len_auto import parse_draft_len
         from qfd.stages.serve import ServeConfig, run
 
-        run(ServeConfig(target=target, drafter=drafter, host=host, port=port, api_key=api_key, device=device, dtype=dtype, allow_target_mismatch=allow_target_mismatch, max_len=max_len, model_name=model_name, engine=engine, export_dir=export_dir, draft_len=draft_len, draft_vocab=draft_vocab, short_block=short_block, compile_steps=compile_steps))
+        run(ServeConfig(target=target, drafter=drafter, host=host, port=port, api_key=api_key, device=device, dtype=dtype, allow_target_mismatch=allow_target_mismatch, max_len=max_len, model_name=model_name, engine=engine, export_dir=export_dir, draft_len=parse_draft_len(draft_len), draft_vocab=draft_vocab, short_block=short_block, compile_steps=compile_steps))

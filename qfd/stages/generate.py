@@ -34,7 +34,7 @@ class GenerateConfig:
     dtype: str = "auto"
     drafter: str | None = None  # DFlash drafter directory: speculative decoding through qfd.engine
     allow_target_mismatch: bool = False
-    draft_len: int | None = None  # drafts verified per step (None: the drafter's B-1)
+    draft_len: int | str | None = None  # drafts verified per step (None: the drafter's B-1; "auto": measured, qfd.draft_len_auto)
     draft_vocab: int | None = None  # drafter LM head over the N most frequent ids (None: all; qfd.draft_vocab)
     short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
     compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
@@ -75,7 +75,7 @@ def check_config(cfg: GenerateConfig) -> None:
         raise QfdError(f"--top-k must be >= 0 (got {cfg.top_k}); 0 disables it")
     if cfg.draft_len is not None and not cfg.drafter:
         raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
-    if cfg.draft_len is not None and cfg.draft_len < 1:
+    if isinstance(cfg.draft_len, int) and cfg.draft_len < 1:
         raise QfdError(f"--draft-len must be >= 1 (got {cfg.draft_len})")
     from qfd.draft_vocab import check_draft_vocab_flag
     from qfd.engine import check_short_block_flag
@@ -197,11 +197,11 @@ def run(cfg: GenerateConfig, write: Callable[[str], None] | None = None) -> Deco
     dtype = pick_dtype(cfg.dtype, device)
     drafter = None
     if cfg.drafter:  # checked against the target before the long load
-        from qfd.engine import check_draft_len
+        from qfd.draft_len_auto import check_draft_len_or_auto
         from qfd.models.drafter import load_drafter, read_drafter_config, verify_drafter_target
 
         verify_drafter_target(cfg.drafter, model_dir.path, allow_mismatch=cfg.allow_target_mismatch)
-        check_draft_len(cfg.draft_len, read_drafter_config(cfg.drafter).block_size)  # the upper bound is the drafter's B-1
+        check_draft_len_or_auto(cfg.draft_len, Path(cfg.drafter), read_drafter_config(cfg.drafter).block_size)  # before the long load
         from qfd.draft_vocab import check_draft_vocab
 
         check_draft_vocab(Path(cfg.drafter), cfg.draft_vocab)
@@ -237,7 +237,12 @@ def _run_engine(model, tokenizer, prompt_ids, cfg: GenerateConfig, stop_ids, wri
         from qfd.console import console
 
         console.print("[dim]compiling the fixed-shape steps (torch.compile; the first start is slow)[/dim]", highlight=False)
-    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids, draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block)
+    draft_len = cfg.draft_len
+    if drafter is not None:
+        from qfd.draft_len_auto import resolve_draft_len
+
+        draft_len = resolve_draft_len(draft_len, model, tokenizer, drafter, Path(cfg.drafter), prompt_ids, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block)
+    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids, draft_len=draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
     result = engine.generate(prompt_ids, gen, on_tokens=lambda ids, text: write(text) if text else None)
     stats = result.stats

@@ -29,7 +29,7 @@ class ServeConfig:
     model_name: str | None = None  # the id clients pass as `model`; default: the target's name
     engine: str = "qfd"  # qfd (this package's engine) or vllm (export, then `vllm serve`)
     export_dir: Path | None = None  # --engine vllm: where the export goes (default: the qfd cache)
-    draft_len: int | None = None  # drafts verified per step (None: the drafter's B-1)
+    draft_len: int | str | None = None  # drafts verified per step (None: the drafter's B-1; "auto": measured, qfd.draft_len_auto)
     draft_vocab: int | None = None  # drafter LM head over the N most frequent ids (None: all; qfd.draft_vocab)
     short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
     compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
@@ -53,7 +53,7 @@ def check_config(cfg: ServeConfig) -> None:
         raise QfdError(f"--max-len must be >= 2 (got {cfg.max_len})")
     if cfg.draft_len is not None and not cfg.drafter:
         raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
-    if cfg.draft_len is not None and cfg.draft_len < 1:
+    if isinstance(cfg.draft_len, int) and cfg.draft_len < 1:
         raise QfdError(f"--draft-len must be >= 1 (got {cfg.draft_len})")
     from qfd.engine import check_short_block_flag
 
@@ -80,11 +80,11 @@ def build(cfg: ServeConfig):
         drafter_dir = Path(cfg.drafter).expanduser()
         if not drafter_dir.is_dir():
             raise QfdError(f"drafter directory {drafter_dir} does not exist")
-        from qfd.engine import check_draft_len
+        from qfd.draft_len_auto import check_draft_len_or_auto
         from qfd.models.drafter import read_drafter_config, verify_drafter_target
 
         verify_drafter_target(drafter_dir, model_dir.path, allow_mismatch=cfg.allow_target_mismatch)
-        check_draft_len(cfg.draft_len, read_drafter_config(drafter_dir).block_size)  # before the long load
+        check_draft_len_or_auto(cfg.draft_len, drafter_dir, read_drafter_config(drafter_dir).block_size)  # before the long load
         from qfd.draft_vocab import check_draft_vocab
 
         check_draft_vocab(drafter_dir, cfg.draft_vocab)
@@ -107,7 +107,12 @@ def build(cfg: ServeConfig):
     graphs = None if max_len <= GRAPH_MAX_LEN else False
     if graphs is False and device.type == "cuda" and not cfg.compile_steps:
         console.print(f"[dim]context {max_len} > {GRAPH_MAX_LEN}: eager steps, no CUDA graphs (pass --max-len to cap the context and use them)[/dim]", highlight=False)
-    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer), draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block, cuda_graphs=graphs)
+    draft_len = cfg.draft_len
+    if drafter is not None:
+        from qfd.draft_len_auto import SAMPLE_TEXT, resolve_draft_len
+
+        draft_len = resolve_draft_len(draft_len, target, tokenizer, drafter, drafter_dir, tokenizer.encode(SAMPLE_TEXT), draft_vocab=cfg.draft_vocab, short_block=cfg.short_block, cuda_graphs=graphs)
+    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer), draft_len=draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block, cuda_graphs=graphs)
     name = cfg.model_name or (cfg.target if not Path(cfg.target).expanduser().exists() else model_dir.path.name)
     if not is_loopback(cfg.host) and not cfg.api_key:
         console.print(f"[bold yellow]warning:[/bold yellow] serving on {cfg.host} without --api-key: anyone who can reach this port can use the model", highlight=False)
