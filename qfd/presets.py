@@ -32,10 +32,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         # SmolLM2's widths (576, 1536) are not multiples of the paper's 128
         "draft_quantize": ["--samples", "32", "--group-size", "64"],
         "swa": ["--window", "1024"],
-        "latency": ["--scale", "0.05", "--warmup", "1", "--runs", "3"],
-        # through the served path (target + a demo drafter that accepts almost nothing on CPU, so
-        # ~3 tokens/s): 16 prompts x 256 tokens took 18.5 of the demo's 35.5 minutes on 2 cores
-        "quality": ["ifeval", "--limit", "8", "--max-gen-toks", "128"],
+        "latency": ["--scale", "0.05", "--warmup", "1", "--runs", "3", "--draft-len", "auto"],
+        # through the served path (target + a demo drafter that accepts little on CPU): 16 prompts
+        # x 256 tokens took 18.5 of the demo's 35.5 minutes on 2 cores at k = 15 (before
+        # --draft-len auto, which on a CPU picks a short k: every eval step times the ks first)
+        "quality": ["ifeval", "--limit", "8", "--max-gen-toks", "128", "--draft-len", "auto"],
     },
     "quick": {
         "model": "smollm2-135m",
@@ -47,8 +48,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "draft2": ["--steps", "3", "--grad-accum", "1", "--max-anchors", "8", "--max-eval", "2"],
         "draft_quantize": ["--samples", "4", "--anchors-per-sample", "4", "--group-size", "64"],
         "swa": ["--window", "1024"],
-        "latency": ["--scale", "0.02", "--warmup", "0", "--runs", "1"],
-        "quality": ["ifeval", "--limit", "2", "--max-gen-toks", "16"],
+        "latency": ["--scale", "0.02", "--warmup", "0", "--runs", "1", "--draft-len", "auto"],
+        "quality": ["ifeval", "--limit", "2", "--max-gen-toks", "16", "--draft-len", "auto"],
     },
     "qwen3.5-4b": {
         "model": "Qwen/Qwen3.5-4B",
@@ -61,8 +62,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "draft2": ["--lr", "3e-4", "--epochs", "2", "--grad-accum", "8", "--max-anchors", "512", "--max-len", "3072"],
         "draft_quantize": ["--samples", "256", "--anchors-per-sample", "16", "--group-size", "128"],
         "swa": ["--window", "1024"],
-        "latency": ["--warmup", "5", "--runs", "50"],
-        "quality": ["mmlu-pro", "ifeval", "gpqa"],
+        "latency": ["--warmup", "5", "--runs", "50", "--draft-len", "auto"],
+        "quality": ["mmlu-pro", "ifeval", "gpqa", "--draft-len", "auto"],
     },
 }
 

@@ -76,6 +76,8 @@ def test_qfd_all_is_killed_mid_stage_and_resumes_to_the_end(tmp_path, embedded_m
     _loads_in_transformers_like_the_runtime(out / "2-qad")  # SmolLM2: a tied head
     latency = read_manifest(out / "9-eval-latency")["metrics"]
     assert latency, "eval latency recorded no metrics"
+    chosen = json.loads((out / "9-eval-latency" / "results.json").read_text())["draft_len"]  # the preset's --draft-len auto
+    assert chosen and all(1 <= k <= 15 for k in chosen.values()), chosen
     quality = json.dumps(read_manifest(out / "10-eval-quality")["metrics"])
     assert "ifeval" in quality
 

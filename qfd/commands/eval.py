@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_HELP, DRAFT_VOCAB_HELP, SHORT_BLOCK_HELP
+from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_AUTO_HELP, DRAFT_VOCAB_HELP, SHORT_BLOCK_HELP
 
 TASKS_HELP = (
     "Tasks: mmlu-pro (5-shot chat, custom-extract, unweighted mean of 14 subjects; gate 0.621), "
@@ -44,7 +44,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         scale: float = typer.Option(1.0, "--scale", help="latency: multiply every length (e.g. 0.05 on a CPU)."),
         prompts: Optional[Path] = typer.Option(None, "--prompts", help="latency: JSONL of {\"question\": ...} prose (default ../shared/data/gsm8k/test.jsonl)."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished results directory."),
-        draft_len: Optional[int] = typer.Option(None, "--draft-len", help=DRAFT_LEN_HELP),
+        draft_len: Optional[str] = typer.Option(None, "--draft-len", help=DRAFT_LEN_AUTO_HELP, metavar="K|auto"),
         draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help=DRAFT_VOCAB_HELP),
         short_block: bool = typer.Option(False, "--short-block", help=SHORT_BLOCK_HELP),
         compile_steps: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
@@ -56,6 +56,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
 
         qfd eval latency --target q4 --drafter dflash --baseline bf16
         """
+        from qfd.draft_len_auto import parse_draft_len
         from qfd.stages.eval import EvalConfig, run, summary_tables
         from qfd.console import stdout
 
@@ -64,7 +65,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
             data_dir=data_dir, limit=limit, batch_size=batch_size, device=device, dtype=dtype, max_gen_toks=max_gen_toks,
             backend=backend, overwrite=overwrite, warmup=warmup, runs=runs,
             settings=tuple(s.strip() for s in settings.split(",") if s.strip()), lengths=lengths, scale=scale, prompts=prompts,
-            draft_len=draft_len, draft_vocab=draft_vocab, short_block=short_block, compile_steps=compile_steps,
+            draft_len=parse_draft_len(draft_len), draft_vocab=draft_vocab, short_block=short_block, compile_steps=compile_steps,
         )
         path = run(cfg)
         for table in summary_tables(path):

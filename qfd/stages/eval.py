@@ -48,7 +48,7 @@ class EvalConfig:
     lengths: str | None = None
     scale: float = 1.0
     prompts: Path | None = None
-    draft_len: int | None = None  # drafts verified per step by the system's engine (None: B-1)
+    draft_len: int | str | None = None  # drafts verified per step by the system's engine (None: B-1; "auto": measured, qfd.draft_len_auto)
     draft_vocab: int | None = None  # the drafter's LM head over its N most frequent ids (None: all; qfd.draft_vocab)
     short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
     compile_steps: bool = False  # torch.compile the engine's fixed-shape steps (every system)
@@ -88,10 +88,11 @@ def validate(cfg: EvalConfig) -> dict[str, Any]:
         if not (drafter / "config.json").is_file():
             raise QfdError(f"drafter {drafter} is not a drafter directory (no config.json); pass the output of `qfd draft train`")
         plan["drafter"] = drafter.resolve()
-        from qfd.engine import check_draft_len, check_short_block_flag
+        from qfd.draft_len_auto import check_draft_len_or_auto
+        from qfd.engine import check_short_block_flag
         from qfd.models.drafter import read_drafter_config
 
-        check_draft_len(cfg.draft_len, read_drafter_config(drafter).block_size)
+        check_draft_len_or_auto(cfg.draft_len, drafter, read_drafter_config(drafter).block_size)
         check_short_block_flag(cfg.short_block, cfg.draft_len)
         from qfd.draft_vocab import check_draft_vocab, check_draft_vocab_flag
 
@@ -182,6 +183,8 @@ def run(cfg: EvalConfig) -> Path:
         need_latency = "latency" in cfg.tasks and not (state / f"{system.role}-latency.json").is_file()
         if need_quality or need_latency:
             loaded = load_system(system, plan["backend"], device, dtype, max_len=_max_len(cfg, plan), draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block)
+            if loaded.engine is not None and loaded.engine.drafter is not None:  # the k it ran (e.g. chosen by "auto")
+                (state / f"{system.role}-draft-len.json").write_text(json.dumps(loaded.engine.draft_len))
             for task in need_quality:
                 _run_quality(loaded, task, cfg, include_dir, staging.path, state / f"{system.role}-{task}.json", system)
             if need_latency:
@@ -190,6 +193,8 @@ def run(cfg: EvalConfig) -> Path:
             gc.collect()
         for task in own_tasks:
             results["quality"].setdefault(task, {})[system.role] = json.loads((state / f"{system.role}-{task}.json").read_text())
+        if (state / f"{system.role}-draft-len.json").is_file():
+            results.setdefault("draft_len", {})[system.role] = json.loads((state / f"{system.role}-draft-len.json").read_text())
     for task, by_role in results["quality"].items():
         _add_gates(task, by_role)
     if "latency" in cfg.tasks:
@@ -241,7 +246,7 @@ class LoadedSystem:
         self.tokenizer, self.generator, self.timed, self.engine = tokenizer, generator, timed, engine
 
 
-def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: int, draft_len: int | None = None, compile_steps: bool = False, draft_vocab: int | None = None, short_block: bool = False) -> LoadedSystem:
+def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: int, draft_len: int | str | None = None, compile_steps: bool = False, draft_vocab: int | None = None, short_block: bool = False) -> LoadedSystem:
     from qfd.harness import EngineGenerator, HFGenerator
     from qfd.latency import engine_timed_generate, hf_timed_generate
 
@@ -261,6 +266,10 @@ def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: 
         from qfd.models.drafter import load_drafter
 
         drafter = load_drafter(system.drafter, device, dtype)
+    if drafter is not None:  # "auto": timed here, with this system's engine settings
+        from qfd.draft_len_auto import SAMPLE_TEXT, resolve_draft_len
+
+        draft_len = resolve_draft_len(draft_len, target, tokenizer, drafter, Path(system.drafter), tokenizer.encode(SAMPLE_TEXT), draft_vocab=draft_vocab, short_block=short_block)
     # The engine preallocates its caches for max_len: no more than this run needs or the model has.
     # draft_len and draft_vocab concern the system with the drafter; baselines run target-only
     engine = Engine(target, tokenizer, drafter=drafter, max_len=min(max_len, int(target.config.max_position_embeddings)), draft_len=draft_len if drafter is not None else None, compile_steps=compile_steps,
