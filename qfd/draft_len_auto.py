@@ -66,12 +66,10 @@ def recorded_acceptance(drafter_dir: Path) -> list[float]:
 
 
 def expected_tau(acceptance: Sequence[float], k: int) -> float:
-    """Tokens committed per step with k drafts: 1 + sum_{i<=k} prod_{j<=i} a_j."""
-    tau, all_accepted = 1.0, 1.0
-    for a in acceptance[:k]:
-        all_accepted *= a
-        tau += all_accepted
-    return tau
+    """Tokens committed per step with k drafts (qfd.drafter_losses.expected_tau)."""
+    from qfd.drafter_losses import expected_tau as tau_of
+
+    return tau_of(acceptance[:k])
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ x[a_n], slots 1..B-1 = MASK); the label of slot k is x[a_n + k].
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -132,6 +133,16 @@ def acceptance_counts(correct: torch.Tensor, valid: torch.Tensor) -> tuple[torch
     return correct.sum(0).double(), valid.sum(0).double(), chain_hits, chain_trials
 
 
+def expected_tau(conditional: Sequence[float]) -> float:
+    """Tokens committed per step: 1 + sum_k prod_{j<=k} acc_j over the conditional acceptance
+    acc_j of the draft positions given (a prefix of them: fewer drafts per step)."""
+    tau, all_accepted = 1.0, 1.0
+    for a in conditional:
+        all_accepted *= a
+        tau += all_accepted
+    return tau
+
+
 def acceptance_summary(hits, trials, chain_hits, chain_trials) -> dict:
     """Per-position accuracy, conditional acceptance and the expected acceptance length
 
@@ -141,12 +152,8 @@ def acceptance_summary(hits, trials, chain_hits, chain_trials) -> dict:
     (1 <= E[tau] <= B)."""
     acc = [float(h / t) if t > 0 else 0.0 for h, t in zip(hits.tolist(), trials.tolist())]
     cond = [float(h / t) if t > 0 else 0.0 for h, t in zip(chain_hits.tolist(), chain_trials.tolist())]
-    tau, run = 1.0, 1.0
-    for c in cond:
-        run *= c
-        tau += run
     return {
-        "expected_acceptance_length": tau,
+        "expected_acceptance_length": expected_tau(cond),
         "accuracy_per_position": acc,
         "conditional_acceptance_per_position": cond,
         "eval_blocks": int(trials[0].item()) if trials.numel() else 0,

@@ -330,13 +330,17 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"append_context at {start_pos} leaves a gap: the cache holds {cache.length} positions")
         if start_pos + n > cache.max_len:
             raise ValueError(f"drafter cache overflow: {start_pos + n} > max_len {cache.max_len}")
-        ctx = self.fuse(taps)
-        positions = torch.arange(start_pos, start_pos + n, device=taps.device).view(1, -1)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.project_kv(ctx, positions)
-            cache.k[i, :, :, start_pos : start_pos + n] = k.to(cache.k.dtype)
-            cache.v[i, :, :, start_pos : start_pos + n] = v.to(cache.v.dtype)
+        self.write_context(cache, taps, torch.arange(start_pos, start_pos + n, device=taps.device))
         cache.length = start_pos + n
+
+    def write_context(self, cache: DrafterCache, taps: torch.Tensor, positions: torch.Tensor) -> None:
+        """Context K/V of `taps` [batch, n, k*H] into every layer's cache at `positions` [n]
+        (a tensor: the fixed-shape append passes a device tensor, nothing Python-side)."""
+        ctx = self.fuse(taps)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.project_kv(ctx, positions.view(1, -1))
+            cache.k[i].index_copy_(2, positions, k.to(cache.k.dtype))
+            cache.v[i].index_copy_(2, positions, v.to(cache.v.dtype))
 
     @torch.no_grad()
     def draft(self, cache: DrafterCache, first_token, start_pos: int, embed: Callable, head: Callable, return_logits: bool = False, num_drafts: int | None = None, block_len: int | None = None):

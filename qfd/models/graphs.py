@@ -40,6 +40,22 @@ def compile_step(fn: Callable, backend: str | Callable = "inductor") -> Callable
     return torch.compile(fn, fullgraph=True, dynamic=False, mode="default", backend=backend)
 
 
+def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm `fn` up on a side stream (allocator pools, cuBLAS handles, lazy init), then capture
+    one call of it as a CUDA graph. Returns the graph and that call's output, whose tensors
+    every replay refills."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.inference_mode():
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.inference_mode():
+        out = fn()
+    return graph, out
+
+
 class StaticTargetSteps:
     """Replays `model.forward_at` for fixed token counts (e.g. 1 and 16) over `cache`.
 
@@ -72,16 +88,7 @@ class StaticTargetSteps:
                 with torch.inference_mode():  # compile now (as __call__ runs it), not in the first request
                     run()
             return step
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(2):  # warm-up: allocator pools, cuBLAS handles, lazy init
-                run()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), torch.inference_mode():
-            step["out"] = run()
-        step["graph"] = graph
+        step["graph"], step["out"] = capture(run)
         # The GDN states keep Python references to tensors of their last forward (conv window,
         # prepared inputs); a replay refreshes the tensors' contents but runs no Python, so
         # re-point the states at the capture's tensors after every replay.
@@ -134,15 +141,7 @@ class StaticDraftStep:
         self.compiled = bool(compile)
         self.step_fn = compile_step(self._forward, compile_backend) if compile else self._forward
         if self.use_graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.inference_mode():
-                for _ in range(2):
-                    self.step_fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph), torch.inference_mode():
-                self.tokens = self.step_fn()
+            self.graph, self.tokens = capture(self.step_fn)
         elif self.compiled:
             with torch.inference_mode():  # compile now, not in the first request (reads the cache only)
                 self.step_fn()
@@ -201,25 +200,11 @@ class StaticAppendStep:
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.offsets = torch.arange(self.rows, device=device)
         self.graph = None
-        if self.use_graphs:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream), torch.inference_mode():
-                for _ in range(2):
-                    self._forward()  # writes position 0.. of an empty cache: nothing valid yet
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph), torch.inference_mode():
-                self._forward()
+        if self.use_graphs:  # warm-up and capture write positions 0.. of an empty cache: nothing valid yet
+            self.graph, _ = capture(self._forward)
 
     def _forward(self) -> None:
-        d, cache = self.drafter, self.cache
-        ctx = d.fuse(self.taps)
-        positions = self.start + self.offsets
-        for i, layer in enumerate(d.layers):
-            k, v = layer.self_attn.project_kv(ctx, positions.view(1, -1))
-            cache.k[i].index_copy_(2, positions, k.to(cache.k.dtype))
-            cache.v[i].index_copy_(2, positions, v.to(cache.v.dtype))
+        self.drafter.write_context(self.cache, self.taps, self.start + self.offsets)
 
     @torch.inference_mode()
     def __call__(self, taps: torch.Tensor, start_pos: int) -> None:
