@@ -14,7 +14,7 @@ setting: BF16 target-only -> INT4 target -> + drafter (bf16, full attention) -> 
 (RTN group 128, the GPTQ layout) -> + SWA drafter (W = 1024), the drafter timed at each
 setting's prompt length as context.
 
-    python bench/bench_steps.py --device cuda [--shape qwen3.5-4b|tiny] [--tau 5.03] [--draft-len K] [--compile]
+    python bench/bench_steps.py --device cuda [--shape qwen3.5-4b|tiny] [--tau 5.03] [--draft-len K] [--compile] [--int4-kernel triton]
         [--settings short,medium,long] [--out steps.json]
 
 --draft-len K times a step that drafts K <= B-1 tokens (the drafter's LM head over K slots)
@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
 from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps  # noqa: E402
 from qfd.models.target import TargetConfig, TargetModel  # noqa: E402
+from qfd.quant.int4_linear import CUDA_KERNELS, cuda_kernel_choice  # noqa: E402
 
 QWEN35_4B = {
     "architectures": ["Qwen3_5ForCausalLM"], "vocab_size": 248320, "hidden_size": 2560, "intermediate_size": 9216,
@@ -77,10 +78,11 @@ def timer(device):
     return measure
 
 
-def quantize_linears(model: torch.nn.Module, group_size: int, skip=("lm_head",)) -> torch.nn.Module:
+def quantize_linears(model: torch.nn.Module, group_size: int, skip=("lm_head",), kernel: str | None = None) -> torch.nn.Module:
     """RTN INT4 of every nn.Linear whose input width the group size divides (the kernels' format;
     a GPTQ checkpoint has the same layout and cost, only other codes), with the dtype probe an
-    INT4 checkpoint's loader gives each swapped linear (the drafter asks `fc.weight.dtype`)."""
+    INT4 checkpoint's loader gives each swapped linear (the drafter asks `fc.weight.dtype`).
+    `kernel`: the CUDA INT4 kernel, "tinygemm" or "triton" (default: Int4Linear's)."""
     from qfd.quant.grid import rtn_quantize
     from qfd.quant.int4_linear import swap_int4_linears
     from qfd.quant.int4_load import give_dtype_probe
@@ -90,14 +92,14 @@ def quantize_linears(model: torch.nn.Module, group_size: int, skip=("lm_head",))
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name not in skip and module.in_features % group_size == 0:
             qweights[name] = rtn_quantize(module.weight.detach().float(), group_size, scale_dtype=dtype)
-    swap_int4_linears(model, qweights)
+    swap_int4_linears(model, qweights, kernel=kernel)
     modules = dict(model.named_modules())
     for name in qweights:
         give_dtype_probe(modules[name], next(model.parameters()).device, dtype)
     return model
 
 
-def build_target(shape: dict, device, dtype, int4: bool, group_size: int) -> TargetModel:
+def build_target(shape: dict, device, dtype, int4: bool, group_size: int, kernel: str | None = None) -> TargetModel:
     torch.manual_seed(0)
     with torch.device(device):
         model = TargetModel(TargetConfig.from_hf(shape, "qwen3_5")).to(dtype)
@@ -106,12 +108,13 @@ def build_target(shape: dict, device, dtype, int4: bool, group_size: int) -> Tar
             p.normal_(0, 0.02)
     model.reset_rope(device)
     if int4:
-        quantize_linears(model, group_size)
+        quantize_linears(model, group_size, kernel=kernel)
     return model.eval()
 
 
-def target_costs(model, max_len, block, measure, device, taps, compile_steps=False, settings=tuple(SETTINGS)) -> dict:
-    """`block`: tokens per verify (draft length + 1); `settings`: which of SETTINGS to time."""
+def target_costs(model, max_len, block, measure, device, taps, compile_steps=False, settings=tuple(SETTINGS), profile=False) -> dict:
+    """`block`: tokens per verify (draft length + 1); `settings`: which of SETTINGS to time;
+    `profile`: also a kernel breakdown of the decode and the verify (`kernel_profile`)."""
     cache = model.new_cache(max_len, static=True, max_verify=max(16, block))
     steps = StaticTargetSteps(model, cache, sizes=(1, block), tap_layers=taps, compile=compile_steps)
     out = {}
@@ -147,42 +150,78 @@ def target_costs(model, max_len, block, measure, device, taps, compile_steps=Fal
             out[f"verify_{name}_ms"] = measure(verify)
             out[f"verify_rollback_{name}_ms"] = measure(verify_rollback)
             out[f"rollback_{name}_ms"] = max(0.0, out[f"verify_rollback_{name}_ms"] - out[f"verify_{name}_ms"])
+            first = profile and "profile" not in out  # profile the first setting only
+            if first:  # verify before decode: decode moves the cache past the verify's rollback point
+                out["profile"] = {"verify": kernel_profile(verify, device)}
             out[f"decode_{name}_ms"] = measure(decode)
+            if first:
+                out["profile"]["decode"] = kernel_profile(decode, device)
     return out
 
 
-def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, num_drafts=None, compile_steps=False, group_size=128) -> dict:
+def kernel_profile(fn, device, iters: int = 10, top: int = 25) -> dict:
+    """Where a step's time goes: torch.profiler over `iters` calls, grouped by name. On CUDA the
+    kernels (CUPTI traces the kernels inside a CUDA-graph replay too); on a CPU the ops' self
+    times. Returns the summed time per step, the count per step and the `top` names by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type.name == ("CUDA" if cuda else "CPU"):  # CUDA: kernels, memcpy, memset
+            k = kernels.setdefault(e.name, [0.0, 0])
+            k[0] += (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)) if cuda else e.self_cpu_time_total
+            k[1] += 1
+    rows = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return {
+        "kernel_us_per_step": sum(v[0] for v in kernels.values()) / iters,
+        "kernels_per_step": sum(v[1] for v in kernels.values()) / iters,
+        "top": [{"name": name[:120], "us_per_step": t / iters, "calls_per_step": c / iters} for name, (t, c) in rows[:top]],
+    }
+
+
+def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, num_drafts=None, compile_steps=False, group_size=128, kernel=None, out=None, on_update=None) -> dict:
     """One draft (StaticDraftStep) and one context append of a verify's k + 1 taps
     (StaticAppendStep, what the engine replays; `append_eager_*` the Python-launched one) for a
-    5-layer drafter, bf16 and INT4 (RTN), full attention and a 1024-token window, per context."""
-    out = {}
+    5-layer drafter, bf16 and INT4 (RTN), full attention and a 1024-token window, per context.
+    Fills `out` (returned) and calls `on_update()` after each variant; the ledger's three come first."""
+    out = {} if out is None else out
     rows = (num_drafts or block - 1) + 1
-    for precision in ("bf16", "int4"):
-        for window in (None, 1024):
-            cfg = config_for_target(shape, num_layers=5, block_size=block, sliding_window=window, mask_token_id=shape["vocab_size"] - 1)
-            torch.manual_seed(0)
-            drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
-            if precision == "int4":
-                quantize_linears(drafter, group_size)
-            for context in contexts:
-                cache = drafter.new_cache(context + 2 * block)
-                taps = torch.randn(1, context, len(cfg.target_layer_ids) * cfg.target_hidden_size, device=device, dtype=dtype)
+    for precision, window in (("bf16", None), ("int4", None), ("int4", 1024), ("bf16", 1024)):
+        cfg = config_for_target(shape, num_layers=5, block_size=block, sliding_window=window, mask_token_id=shape["vocab_size"] - 1)
+        torch.manual_seed(0)
+        drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
+        if precision == "int4":
+            quantize_linears(drafter, group_size, kernel=kernel)
+        for context in contexts:
+            cache = drafter.new_cache(context + 2 * block)
+            taps = torch.randn(1, context, len(cfg.target_layer_ids) * cfg.target_hidden_size, device=device, dtype=dtype)
+            with torch.inference_mode():
+                drafter.append_context(cache, taps, 0)
+            step = StaticDraftStep(drafter, cache, embed=embed, head=head, num_drafts=num_drafts, compile=compile_steps)
+            append = StaticAppendStep(drafter, cache, rows=rows)
+            label = f"{precision}_w{window or 'full'}_ctx{context}"
+            out[f"draft_{label}_ms"] = measure(lambda: step(5, context), iters=20)
+            new = taps[:, :rows]
+            # both rewrite the last `rows` positions: the cache length stays `context`
+            out[f"append_{label}_ms"] = measure(lambda: append(new, context - rows), iters=20)
+
+            def append_eager():
                 with torch.inference_mode():
-                    drafter.append_context(cache, taps, 0)
-                step = StaticDraftStep(drafter, cache, embed=embed, head=head, num_drafts=num_drafts, compile=compile_steps)
-                append = StaticAppendStep(drafter, cache, rows=rows)
-                label = f"{precision}_w{window or 'full'}_ctx{context}"
-                out[f"draft_{label}_ms"] = measure(lambda: step(5, context), iters=20)
-                new = taps[:, :rows]
-                # both rewrite the last `rows` positions: the cache length stays `context`
-                out[f"append_{label}_ms"] = measure(lambda: append(new, context - rows), iters=20)
+                    drafter.append_context(cache, new, context - rows)
 
-                def append_eager():
-                    with torch.inference_mode():
-                        drafter.append_context(cache, new, context - rows)
-
-                out[f"append_eager_{label}_ms"] = measure(append_eager, iters=20)
-                del step, append, cache
+            out[f"append_eager_{label}_ms"] = measure(append_eager, iters=20)
+            del step, append, cache
+        if on_update:
+            on_update()
     return out
 
 
@@ -200,10 +239,10 @@ def ledger(results: dict, tau: float, settings) -> list[dict]:
     """Projected latency (ms) per setting of each LEDGER system, from the measured step costs:
     target-only = prefill + out * decode; speculative = INT4 prefill + ceil(out / tau) *
     (draft + INT4 verify + rollback + append) with the drafter costs at the prompt's context."""
-    b, q, d = results["bf16"], results["int4"], results["drafter"]
+    b, q, d = results.get("bf16", {}), results.get("int4", {}), results.get("drafter", {})
     rows = []
     for name, (n_in, n_out) in SETTINGS.items():
-        if name not in settings or f"decode_{name}_ms" not in b:
+        if name not in settings or f"decode_{name}_ms" not in b or f"decode_{name}_ms" not in q:
             continue
         row = {"setting": name}
         for system, drafter in LEDGER:
@@ -212,6 +251,8 @@ def ledger(results: dict, tau: float, settings) -> list[dict]:
                 row[system] = costs[f"prefill_{name}_ms"] + n_out * costs[f"decode_{name}_ms"]
                 continue
             label = f"{drafter[0]}_w{drafter[1]}_ctx{n_in}"
+            if f"draft_{label}_ms" not in d:  # a run cut short before this drafter: no row
+                continue
             step = d[f"draft_{label}_ms"] + q[f"verify_rollback_{name}_ms"] + d[f"append_{label}_ms"]
             row[system] = q[f"prefill_{name}_ms"] + math.ceil(n_out / tau) * step
             row[f"{system} step_ms"] = step
@@ -228,9 +269,20 @@ def main() -> None:
     p.add_argument("--draft-len", type=int, default=None, help="drafts per step K (1..block-1; default block-1): verify K+1 tokens")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape steps before CUDA-graph capture")
+    p.add_argument("--int4-kernel", choices=CUDA_KERNELS, default=None, help="CUDA INT4 matmul kernel (default: $QFD_INT4_KERNEL, else Int4Linear's default)")
+    p.add_argument("--profile", action="store_true", help="also profile the target's decode and verify (CUDA kernels / CPU ops; first setting)")
+    p.add_argument("--reference-kernels", action="store_true", help="the torch GDN recurrence and the single attention-values GEMM instead of the fused GDN step kernel and the split product (side-by-side runs)")
+    p.add_argument("--targets-only", action="store_true", help="time the targets only (no drafter, no ledger)")
+    p.add_argument("--no-compile-drafter", action="store_true", help="with --compile: compile the targets' steps only (the drafter's stay graphed, uncompiled; saves its compiles)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated latency settings to time (default all: short,medium,long)")
     p.add_argument("--out", type=Path, default=Path("bench_steps.json"))
+    p.add_argument("--report", type=Path, default=None, metavar="JSON", help="print the tables of a saved run (also one cut short) and exit")
     args = p.parse_args()
+    if args.report:
+        results = json.loads(args.report.read_text())
+        finish(results)
+        report(results)
+        return
     settings = tuple(s for s in args.settings.split(",") if s)
     if not settings or any(s not in SETTINGS for s in settings):
         p.error(f"--settings takes a comma-separated subset of {','.join(SETTINGS)}")
@@ -242,70 +294,115 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = QWEN35_4B if args.shape == "qwen3.5-4b" else TINY
     measure = timer(device)
+    if args.reference_kernels:
+        import qfd.models.cache
+        import qfd.models.target
+
+        qfd.models.cache.FUSED_STEP = qfd.models.target.SPLIT_VALUES = False
+    if args.compile:  # each size x drafter variant x context recompiles the same code object: room for all
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
     # Room for the longest prompt plus the 300 positions the decode/verify timings advance
     # through (target_costs skips settings that do not fit: the tiny shape stops at medium).
     longest = 8192 if args.shape == "qwen3.5-4b" else 2048
     max_len = longest + 300 + 2 * args.block
     taps = config_for_target(shape, mask_token_id=0).target_layer_ids
 
-    results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile}
+    results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "reference_kernels": args.reference_kernels}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures
         args.out.write_text(json.dumps(results, indent=2))
 
     bf16 = build_target(shape, device, dtype, int4=False, group_size=args.group_size)
-    results["bf16"] = target_costs(bf16, max_len, verify_len, measure, device, (), args.compile, settings)
+    results["bf16"] = target_costs(bf16, max_len, verify_len, measure, device, (), args.compile, settings, args.profile)
     save()
     del bf16
     torch.cuda.empty_cache() if device.type == "cuda" else None
-    int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size)
-    results["int4"] = target_costs(int4, max_len, verify_len, measure, device, taps, args.compile, settings)
+    int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size, kernel=args.int4_kernel)
+    results["int4"] = target_costs(int4, max_len, verify_len, measure, device, taps, args.compile, settings, args.profile)
     save()
+    if args.targets_only:
+        report(results)
+        return
     # the prompts' contexts (the ledger), plus 1K and 8K (issue 9: SWA at 8K vs 1K)
     contexts = sorted({1024, 8192 if args.shape == "qwen3.5-4b" else 2048} | {SETTINGS[s][0] for s in settings})
-    results["drafter"] = drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, contexts, num_drafts=draft_len, compile_steps=args.compile, group_size=args.group_size)
+    results["drafter"] = {}
+    drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, contexts, num_drafts=draft_len, compile_steps=args.compile and not args.no_compile_drafter, group_size=args.group_size, kernel=args.int4_kernel, out=results["drafter"], on_update=save)
     if device.type == "cuda":
         results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     save()
 
-    rows = ledger(results, args.tau, settings)
-    results["ledger"] = rows
-    final = LEDGER[-1][0]
-    if rows:
-        results["mean_speedup_spec"] = sum(r[LEDGER[0][0]] / r[final] for r in rows) / len(rows)
+    finish(results)
     save()
+    report(results)
 
+
+def finish(results: dict) -> None:
+    """The ledger rows and the full system's mean projected speedup, from the step costs."""
+    rows = ledger(results, results["tau"], results["settings"])
+    results["ledger"] = rows
+    if rows and all(LEDGER[-1][0] in r for r in rows):
+        results["mean_speedup_spec"] = sum(r[LEDGER[0][0]] / r[LEDGER[-1][0]] for r in rows) / len(rows)
+
+
+def report(results: dict) -> None:
+    """Print the step-cost table, the ledger, the drafter's SWA ratios and the kernel profiles
+    of a run (`--report JSON` re-prints a saved one, also one cut short: what it has)."""
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    kind = f"{args.shape}, {results['device']}, {draft_len} drafts / {verify_len}-token verify{', compiled' if args.compile else ''}"
+    rows, final = results.get("ledger", []), LEDGER[-1][0]
+    d = results.get("drafter", {})
+    kind = f"{results['shape']}, {results['device']}, {results['draft_len']} drafts / {results['draft_len'] + 1}-token verify, INT4 {results['int4_kernel'] if results['device'] != 'cpu' else 'CPU kernel'}{', reference GDN/attention kernels' if results.get('reference_kernels') else ''}{(', compiled' + ('' if results.get('compile_drafter', True) else ' targets (drafter uncompiled)')) if results['compile'] else ''}"
     steps = Table(title=f"step costs, ms ({kind})")
     for col in ("setting", "bf16 decode", "int4 decode", "int4 verify+rollback", "spec step (full system)", "step / int4 decode", "GDN rollback / step"):
         steps.add_column(col, justify="right")
     for r in rows:
         name = r["setting"]
+        if f"{final} step_ms" not in r:
+            continue
         step = r[f"{final} step_ms"]
         steps.add_row(name, *(f"{v:.3f}" for v in (results["bf16"][f"decode_{name}_ms"], results["int4"][f"decode_{name}_ms"], results["int4"][f"verify_rollback_{name}_ms"], step)),
                       f"{step / results['int4'][f'decode_{name}_ms']:.2f}", f"{results['int4'][f'rollback_{name}_ms'] / step:.1%}")
-    console.print(steps)
-    table = Table(title=f"PROJECTED latency per setting, ms (x BF16 target-only), tau = {args.tau}: a ledger like the paper's Table 2 ({kind})")
+    if any(f"{final} step_ms" in r for r in rows):
+        console.print(steps)
+    target = Table(title=f"target step costs, ms ({kind})")
+    for col in ("setting", "bf16 decode", "bf16 verify", "int4 decode", "int4 verify", "int4 verify+rollback", "int4 prefill"):
+        target.add_column(col, justify="right")
+    for name in results["settings"]:
+        keys = [(t, f"{step}_{name}_ms") for t, step in (("bf16", "decode"), ("bf16", "verify"), ("int4", "decode"), ("int4", "verify"), ("int4", "verify_rollback"), ("int4", "prefill"))]
+        if all(k in results.get(t, {}) for t, k in keys):
+            target.add_row(name, *(f"{results[t][k]:.3f}" for t, k in keys))
+    console.print(target)
+    table = Table(title=f"PROJECTED latency per setting, ms (x BF16 target-only), tau = {results['tau']}: a ledger like the paper's Table 2 ({kind})")
     table.add_column("system")
     for r in rows:
         table.add_column(f"{r['setting']} {'/'.join(map(str, SETTINGS[r['setting']]))}", justify="right")
     if rows:
         table.add_column("mean x", justify="right")
     for system, _ in LEDGER:
-        speedups = [r[LEDGER[0][0]] / r[system] for r in rows]
-        table.add_row(system, *(f"{r[system]:.1f} ({x:.2f}x)" for r, x in zip(rows, speedups)), *([f"{sum(speedups) / len(speedups):.2f}x"] if rows else []))
-    console.print(table)
-    console.print("target-only = prefill + out * decode; speculative = prefill_int4 + ceil(out / tau) * (draft + verify_int4 + rollback + append): a projection from measured step costs at the given tau, not an end-to-end run")
-    d = results["drafter"]
-    big = max(contexts)
-    for precision in ("bf16", "int4"):
-        console.print(f"drafter ({precision}) draft at {big} vs 1024 context: full attention {d[f'draft_{precision}_wfull_ctx{big}_ms'] / d[f'draft_{precision}_wfull_ctx1024_ms']:.2f}x, W=1024 {d[f'draft_{precision}_w1024_ctx{big}_ms'] / d[f'draft_{precision}_w1024_ctx1024_ms']:.2f}x")
-    console.print({k: round(v, 4) for k, v in {**d, **{f"bf16_{k}": v for k, v in results["bf16"].items()}, **{f"int4_{k}": v for k, v in results["int4"].items()}}.items()})
+        speedups = [r[LEDGER[0][0]] / r[system] if system in r else None for r in rows]
+        cells = [f"{r[system]:.1f} ({x:.2f}x)" if x else "-" for r, x in zip(rows, speedups)]
+        mean = [f"{sum(speedups) / len(speedups):.2f}x" if rows and all(speedups) else "-"] if rows else []
+        table.add_row(system, *cells, *mean)
     if rows:
+        console.print(table)
+        console.print("target-only = prefill + out * decode; speculative = prefill_int4 + ceil(out / tau) * (draft + verify_int4 + rollback + append): a projection from measured step costs at the given tau, not an end-to-end run")
+    big = max([int(k.rsplit("ctx", 1)[1][:-3]) for k in d if k.startswith("draft_")] or [0])
+    for precision in ("bf16", "int4"):
+        if f"draft_{precision}_w1024_ctx{big}_ms" in d and f"draft_{precision}_wfull_ctx{big}_ms" in d:
+            console.print(f"drafter ({precision}) draft at {big} vs 1024 context: full attention {d[f'draft_{precision}_wfull_ctx{big}_ms'] / d[f'draft_{precision}_wfull_ctx1024_ms']:.2f}x, W=1024 {d[f'draft_{precision}_w1024_ctx{big}_ms'] / d[f'draft_{precision}_w1024_ctx1024_ms']:.2f}x")
+    console.print({k: round(v, 4) for k, v in {**d, **{f"bf16_{k}": v for k, v in results.get("bf16", {}).items()}, **{f"int4_{k}": v for k, v in results.get("int4", {}).items()}}.items() if isinstance(v, float)})
+    for target in ("bf16", "int4"):
+        for step, prof in results.get(target, {}).get("profile", {}).items():
+            t = Table(title=f"{target} {step}: {prof['kernel_us_per_step']:.0f} us of kernels in {prof['kernels_per_step']:.0f} launches per step (top kernels)")
+            for col in ("kernel", "us / step", "calls / step"):
+                t.add_column(col, justify="right" if col != "kernel" else "left")
+            for r in prof["top"][:15]:
+                t.add_row(r["name"][:70], f"{r['us_per_step']:.1f}", f"{r['calls_per_step']:.0f}")
+            console.print(t)
+    if results.get("mean_speedup_spec"):
         console.print(f"mean projected speedup of the full system: {results['mean_speedup_spec']:.2f}x")
 
 

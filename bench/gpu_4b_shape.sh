@@ -6,15 +6,25 @@
 #   COMPILE=1  time the steps again with --compile (torch.compile before CUDA-graph capture),
 #              side by side in the same call (steps_compiled.json)
 #   QAD_S=0    skip the QAD memory plan
+#   KERNELS=1  first: the INT4 matmul kernels side by side (KERNELS_SWEEP=1: with a launch-config sweep)
+#              (bench_int4_kernels.py, int4_kernels.json) and the Triton kernel's tests
+#   INT4_KERNEL=tinygemm|triton   the INT4 kernel the steps run (default: Int4Linear's)
+#   UNCOMPILED=0  skip the uncompiled steps (with COMPILE=1: only the compiled ones)
+#   STEPS_FLAGS="..."  more bench_steps.py flags (e.g. --no-compile-drafter, --targets-only)
+#   PROFILE=1  also a kernel breakdown of the targets' decode and verify (bench_steps --profile)
 export PYTHONPATH=${QFD_SRC:-$PWD} PYTHONUNBUFFERED=1
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+if [ -n "${KERNELS:-}" ]; then
+    (cd "$SRC" && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_int4_triton.py 2>&1 | tail -3)
+    timeout "${KERNELS_S:-200}" python3 "$SRC/bench/bench_int4_kernels.py" ${KERNELS_SWEEP:+--sweep} --out "$OUT/int4_kernels.json" 2>&1 | grep -v Warning | tee "$OUT/int4_kernels.log" | tail -30
+fi
 steps() {  # steps NAME [FLAGS...]
     name=$1; shift
-    timeout "${STEPS_S:-140}" python3 "$SRC/bench/bench_steps.py" --device cuda --settings "${SETTINGS:-short,medium,long}" "$@" \
+    timeout "${STEPS_S:-140}" python3 "$SRC/bench/bench_steps.py" --device cuda --settings "${SETTINGS:-short,medium,long}" ${INT4_KERNEL:+--int4-kernel $INT4_KERNEL} ${PROFILE:+--profile} ${STEPS_FLAGS:-} "$@" \
         --out "$OUT/$name.json" 2>&1 | grep -v Warning | tee "$OUT/$name.log" | tail -40
 }
-steps steps
+[ "${UNCOMPILED:-1}" = 0 ] || steps steps
 [ -z "${COMPILE:-}" ] || steps steps_compiled --compile
 [ "${QAD_S:-75}" = 0 ] || timeout "${QAD_S:-75}" python3 "$SRC/bench/bench_qad_memory.py" --steps 2 --seq-len 2048 --json "$OUT/qad_memory.json" 2>&1 | grep -v Warning | tee "$OUT/qad.log" | tail -22

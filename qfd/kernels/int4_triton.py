@@ -33,25 +33,13 @@ from qfd.quant.types import QuantizedWeight
 TILE_K = 128  # K per packed tile (16 int32 rows x 8 nibbles)
 _COUNTER_TILES = 8192  # counters per packed weight: (M tiles) x (N tiles) that split-K may use
 
-try:  # triton is optional (CUDA torch ships it; CI does not install it)
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = True
-except Exception:  # pragma: no cover - exercised where triton is absent
-    triton = None
-    tl = None
-    _HAVE_TRITON = False
+from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, interpreting, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
 
 
 def available() -> bool:
     """True when the Triton kernel can run here: triton importable and a CUDA device (or the
     CPU interpreter, TRITON_INTERPRET=1, for tests)."""
-    import os
-
-    if not _HAVE_TRITON:
-        return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    return _HAVE_TRITON and (torch.cuda.is_available() or interpreting())
 
 
 @dataclass
@@ -185,11 +173,13 @@ if _HAVE_TRITON:
         else:
             acc = tl.zeros((16, BN), dtype=tl.float32)  # reduced over its 16 rows at the end
         q_rows = q_ptr + offs_p[:, None] * N + offs_n[None, :]
-        p_next = tl.load(q_rows + t0 * 16 * N, mask=n_mask[None, :] & (t0 < t1), other=0)
+        q_mask = (offs_p[:, None] < 16) & n_mask[None, :]  # [16, BN], the full shape of a tile load
+        zero_p = offs_p[:, None] * 0  # tile indices as [16, 1] tensors: a scalar compare in a mask trips Triton's interpreter
+        p_next = tl.load(q_rows + t0 * 16 * N, mask=q_mask & (zero_p + t0 < t1), other=0)
         for t in range(t0, t1):
             p_cur = p_next
             # prefetch the next tile while this one is dequantized (two tiles in flight)
-            p_next = tl.load(q_rows + (t + 1) * 16 * N, mask=n_mask[None, :] & (t + 1 < t1), other=0)
+            p_next = tl.load(q_rows + (t + 1) * 16 * N, mask=q_mask & (zero_p + t + 1 < t1), other=0)
             for j in tl.static_range(8):
                 k0 = t * 128 + j * 16
                 if (j * 16) % GROUP == 0:  # a new group starts at this K slice: its scale/zero
@@ -267,18 +257,21 @@ class KernelConfig:
 
 
 def pick_config(m: int, n: int, k: int) -> KernelConfig:
-    """Heuristic launch config for an M x K @ K x N product on a 132-SM H200 (see docs/kernels.md
-    for the sweep it was read from). Split K until there are ~2 programs per SM."""
+    """Launch config for an M x K @ K x N product, read off the H200 sweep of
+    bench/bench_int4_kernels.py --sweep at Qwen3.5-4B's shapes (docs/benchmarks.md, 2026-12-04
+    fifth session): one row - 64 outputs per program, K split 8 ways; 16 rows - 128/64/32
+    outputs per program for N >= 4096 / >= 2048 / below, K split 4 / 8 / 8, two pipeline stages."""
     kt = -(-k // TILE_K)
     if m == 1:
-        block_n, use_dot = 128, False
+        cfg = KernelConfig(use_dot=False, block_n=64, split_k=8)
+    elif n >= 4096:
+        cfg = KernelConfig(use_dot=True, block_n=128, split_k=4, num_stages=2)
     else:
-        block_n, use_dot = 64, True
-    n_tiles = -(-n // block_n) * (1 if m == 1 else -(-m // 16))
-    split = 1
-    while n_tiles * split < 264 and split * 2 <= kt and split < 8:
-        split *= 2
-    return KernelConfig(use_dot=use_dot, block_n=block_n, split_k=split)
+        cfg = KernelConfig(use_dot=True, block_n=64 if n >= 2048 else 32, split_k=8, num_stages=2)
+    split = cfg.split_k
+    while split > 1 and split > kt:  # every split needs at least one K tile
+        split //= 2
+    return KernelConfig(use_dot=cfg.use_dot, block_n=cfg.block_n, split_k=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
@@ -313,3 +306,30 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y.reshape(*lead, n)
+
+
+# --------------------------------------------------------------------------- torch op
+
+@torch.library.custom_op("qfd::int4_mm", mutates_args=())
+def int4_mm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, counters: torch.Tensor,
+               bias: torch.Tensor | None, group_size: int, in_features: int) -> torch.Tensor:
+    """`int4_matmul` as an opaque torch op, so torch.compile keeps it as one call (a GEMM has
+    nothing to fuse) instead of tracing into Triton's launcher. The split-K `counters` are
+    written during the launch but always return to zero, so to every caller the op has no
+    mutated input (declaring one would make functionalization copy the buffer per call).
+    Without Triton, or on CPU tensors outside Triton's interpreter, it runs `reference_matmul`:
+    same layout, float32 math."""
+    packed = TritonInt4Weight(qweight, scales, zeros, counters, group_size, in_features, qweight.shape[1])
+    if not runs_on(x):
+        return reference_matmul(x, packed, bias)
+    return int4_matmul(x, packed, bias)
+
+
+@int4_mm_op.register_fake
+def _int4_mm_fake(x, qweight, scales, zeros, counters, bias, group_size, in_features):
+    return x.new_empty(*x.shape[:-1], qweight.shape[1])
+
+
+def int4_mm(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ w_hat.T (+ bias) through the `qfd::int4_mm` op."""
+    return int4_mm_op(x, packed.qweight, packed.scales, packed.zeros, packed.counters, bias, packed.group_size, packed.in_features)

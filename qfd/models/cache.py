@@ -24,7 +24,12 @@ from __future__ import annotations
 
 import torch
 
+from qfd.kernels import gdn_triton
 from qfd.models.gdn import chunked_gated_delta, recurrent_gated_delta
+
+# Decode / verify steps through the fused Triton kernel where it runs (CUDA); False = the torch
+# recurrence everywhere (bench_steps.py --reference-kernels flips it for a side-by-side run).
+FUSED_STEP = True
 
 
 class GDNState:
@@ -46,15 +51,20 @@ class GDNState:
         in place and record what rollback needs. Returns the core output [B, T, H, dv] float32."""
         T = q.shape[1]
         kernel_minus_1 = self.conv.shape[-1]
-        self.start.copy_(self.recurrent)
         self.window, self.steps = window, T
-        if T <= self.max_verify:
-            out, final = recurrent_gated_delta(q, k, v, g, beta, self.recurrent, history=self.history)
+        if T <= self.max_verify and FUSED_STEP and gdn_triton.usable(q):
+            # one kernel: saves `start`, writes the history and the final state in place
+            out = gdn_triton.gated_delta_step(q, k, v, g, beta, self.recurrent, self.start, self.history)
             self.inputs = None
         else:
-            out, final = chunked_gated_delta(q, k, v, g, beta, self.recurrent)
-            self.inputs = (q, k, v, g, beta)
-        self.recurrent.copy_(final)
+            self.start.copy_(self.recurrent)
+            if T <= self.max_verify:
+                out, final = recurrent_gated_delta(q, k, v, g, beta, self.recurrent, history=self.history)
+                self.inputs = None
+            else:
+                out, final = chunked_gated_delta(q, k, v, g, beta, self.recurrent)
+                self.inputs = (q, k, v, g, beta)
+            self.recurrent.copy_(final)
         self.conv.copy_(window[..., window.shape[-1] - kernel_minus_1 :])
         return out
 

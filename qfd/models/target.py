@@ -191,7 +191,33 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     scores = (q @ k.transpose(-1, -2)) * hd**-0.5  # [B, kv_heads, group*T, S]
     scores = scores.masked_fill(~mask.repeat(group, 1), float("-inf"))
     probs = scores.float().softmax(-1).to(q.dtype)
-    return (probs @ v).reshape(B, H, T, hd)
+    return weighted_values(probs, v).reshape(B, H, T, hd)
+
+
+# On CUDA, `probs @ v` with few query rows over a long static cache is one GEMM of M = group*T
+# rows and a long reduction: cuBLAS runs it on a handful of CTAs (H200, Qwen3.5-4B shape, 8.5K
+# cache: ~80 us per layer, 13% of a compiled decode; docs/benchmarks.md). Split the keys into
+# chunks of VALUE_CHUNK, one batched GEMM over all chunks, then sum the partials: split-K by hand.
+VALUE_CHUNK = 512
+SPLIT_VALUES = True  # bench_steps.py --reference-kernels turns it off for a side-by-side run
+
+
+def weighted_values(probs: torch.Tensor, v: torch.Tensor, split: bool | None = None) -> torch.Tensor:
+    """probs [B, kv, R, S] @ v [B, kv, S, hd] -> [B, kv, R, hd], split over S when `split`
+    (default: on CUDA, for S of 4 chunks or more)."""
+    B, kv, R, S = probs.shape
+    n = S // VALUE_CHUNK
+    if split is None:
+        split = SPLIT_VALUES and probs.is_cuda and n >= 4
+    if not split or n == 0:
+        return probs @ v
+    cut = n * VALUE_CHUNK
+    p = probs[..., :cut].reshape(B, kv, R, n, VALUE_CHUNK).transpose(2, 3)  # [B, kv, n, R, C]
+    parts = p @ v[:, :, :cut].reshape(B, kv, n, VALUE_CHUNK, -1)  # [B, kv, n, R, hd]
+    out = parts.sum(2, dtype=torch.float32)
+    if cut < S:
+        out = out + (probs[..., cut:] @ v[:, :, cut:]).float()
+    return out.to(probs.dtype)
 
 
 class MLP(nn.Module):

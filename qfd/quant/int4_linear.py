@@ -9,6 +9,12 @@ tests/test_quant_int4_linear.py). The kernels win for decode-sized inputs only (
 M=1 ~6x faster than fp32 dense, M=256 ~20x SLOWER), so inputs of more than KERNEL_MAX_ROWS rows
 dequantize the weight on the fly from the kept nibbles and run a dense matmul. Shapes or devices
 a kernel rejects use a stored dequantized weight (`mode == "dequant"`).
+
+On CUDA a second kernel is available: qfd's own Triton W4A16 matmul
+(`qfd.kernels.int4_triton`, mode "triton"), fast at 1 and at 16 rows where tinygemm
+is 2x slower than bf16 at 16 (environment.md). `kernel=` (or $QFD_INT4_KERNEL) picks
+"tinygemm" or "triton"; the default is DEFAULT_CUDA_KERNEL, set from bench/bench_int4_kernels.py
+on the H200 (docs/benchmarks.md). Triton missing, or a shape it rejects: tinygemm.
 """
 
 from __future__ import annotations
@@ -21,8 +27,25 @@ from qfd.quant.types import QuantizedWeight
 
 # Rows up to which the INT4 kernel beats dequantize-then-matmul: on CPU measured at 8 (see the
 # module docstring); on CUDA a 16-row verify block through tinygemm (~30 us at 9216x2560)
-# beats re-dequantizing the weight every call (H200, docs/benchmarks.md).
-KERNEL_MAX_ROWS = {"cpu_int4": 8, "cuda_int4": 16}
+# beats re-dequantizing the weight every call (H200, docs/benchmarks.md). The Triton kernel
+# tiles rows by 16 (6-19 us per 16-row tile at Qwen3.5-4B shapes) while dequantizing a weight
+# per call cost ~1 ms per linear (a 64-token INT4 prefill took 272 ms vs 47 ms in bf16): it
+# takes prompts up to 256 rows (not yet timed at 64-256 rows), longer ones dequantize.
+KERNEL_MAX_ROWS = {"cpu_int4": 8, "cuda_int4": 16, "triton": 256}
+CUDA_KERNELS = ("tinygemm", "triton")
+# Triton: at 16 rows (the verify) 113 us vs tinygemm's 203 us over Qwen3.5-4B's linears, at
+# 1 row 78 vs 62 us; the verify dominates a speculative step (H200, docs/benchmarks.md).
+DEFAULT_CUDA_KERNEL = "triton"
+
+
+def cuda_kernel_choice(kernel: str | None = None) -> str:
+    """The CUDA INT4 kernel to use: `kernel`, else $QFD_INT4_KERNEL, else DEFAULT_CUDA_KERNEL."""
+    import os
+
+    choice = kernel or os.environ.get("QFD_INT4_KERNEL") or DEFAULT_CUDA_KERNEL
+    if choice not in CUDA_KERNELS:
+        raise ValueError(f"INT4 kernel {choice!r}: expected one of {', '.join(CUDA_KERNELS)} ($QFD_INT4_KERNEL)")
+    return choice
 
 
 def tinygemm_operands(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,9 +67,10 @@ class Int4Linear(nn.Module):
     """y = x @ w_hat.T + b with w_hat = (q - z) * s kept as INT4.
 
     Buffers: `packed` (kernel layout for the device it was built on), `scales_and_zeros`
-    [in/g, out, 2]; `mode` is "cpu_int4", "cuda_int4" or "dequant" (then `weight_dense`)."""
+    [in/g, out, 2]; `mode` is "cpu_int4", "cuda_int4" (tinygemm), "triton" (then the
+    Triton layout's `triton_*` buffers) or "dequant" (then `weight_dense`)."""
 
-    def __init__(self, qw: QuantizedWeight, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, allow_kernel: bool = True):
+    def __init__(self, qw: QuantizedWeight, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, allow_kernel: bool = True, kernel: str | None = None):
         super().__init__()
         self.out_features, self.in_features = qw.shape
         self.group_size = qw.group_size
@@ -55,7 +79,11 @@ class Int4Linear(nn.Module):
         self.mode = "dequant"
         bias = qw.bias.to(device=device, dtype=dtype) if qw.bias is not None else None
         self.register_buffer("bias", bias)
-        if allow_kernel:
+        # Triton on CUDA when chosen; anywhere when asked for by name (on a CPU the op runs its
+        # float32 reference: how the tests check the layout and the op without a GPU)
+        if allow_kernel and (kernel == "triton" or (device.type == "cuda" and cuda_kernel_choice(kernel) == "triton")):
+            self._try_triton(qw, device, dtype)
+        if allow_kernel and self.mode == "dequant":
             self._try_kernel(qw, device, dtype)
         if self.mode == "dequant":
             self.register_buffer("weight_dense", dequantize(qw, dtype).to(device))
@@ -86,10 +114,38 @@ class Int4Linear(nn.Module):
         self.register_buffer("nibbles", ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8).to(device))
         self.mode = mode
 
+    def _try_triton(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> None:
+        from qfd.kernels import int4_triton
+
+        if device.type == "cuda" and not int4_triton.available():
+            return
+        try:
+            packed = int4_triton.pack_for_triton(qw, device, scale_dtype=dtype)
+        except ValueError:
+            return  # a group size / code range the layout does not take: tinygemm or dequant
+        for name in ("qweight", "scales", "zeros", "counters"):
+            self.register_buffer(f"triton_{name}", getattr(packed, name))
+        self.mode = "triton"
+
+    def _triton_weight(self):
+        """The Triton layout, from the buffers (which follow `.to()`)."""
+        from qfd.kernels.int4_triton import TritonInt4Weight
+
+        return TritonInt4Weight(self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.group_size, self.in_features, self.out_features)
+
+    def _triton_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        from qfd.kernels.int4_triton import int4_mm
+
+        return int4_mm(x2, self._triton_weight(), self.bias)
+
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """w = (u - 8) * scale + zero, [out, in], from the kept nibbles (same formula as the kernel)."""
         if self.mode == "dequant":
             return self.weight_dense.to(dtype)
+        if self.mode == "triton":
+            from qfd.kernels.int4_triton import dequantize_packed
+
+            return dequantize_packed(self._triton_weight(), dtype)
         u = torch.stack([self.nibbles >> 4, self.nibbles & 0xF], dim=-1).reshape(self.out_features, self.in_features)
         sz = self.scales_and_zeros.to(torch.float32)
         scale = sz[..., 0].t().repeat_interleave(self.group_size, 1)
@@ -104,6 +160,8 @@ class Int4Linear(nn.Module):
         if x2.shape[0] > KERNEL_MAX_ROWS[self.mode]:
             w = self.dequantized_weight(self.dtype)
             return nn.functional.linear(x2, w, self.bias).reshape(*shape[:-1], self.out_features).to(x.dtype)
+        if self.mode == "triton":
+            return self._triton_matmul(x2).reshape(*shape[:-1], self.out_features).to(x.dtype)
         if self.mode == "cpu_int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         else:
@@ -116,10 +174,11 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, mode={self.mode}"
 
 
-def swap_int4_linears(model: nn.Module, qweights: dict[str, QuantizedWeight], allow_kernel: bool = True) -> nn.Module:
+def swap_int4_linears(model: nn.Module, qweights: dict[str, QuantizedWeight], allow_kernel: bool = True, kernel: str | None = None) -> nn.Module:
     """Replace, in place, every nn.Linear named in `qweights` (module paths as in
     `model.named_modules()`) by an Int4Linear on that linear's device and dtype. A bias stored
-    with the QuantizedWeight wins over the module's own. Returns `model`."""
+    with the QuantizedWeight wins over the module's own. `kernel`: the CUDA kernel
+    (`cuda_kernel_choice`). Returns `model`."""
     modules = dict(model.named_modules())
     missing = [path for path in qweights if path not in modules]
     if missing:
@@ -131,7 +190,7 @@ def swap_int4_linears(model: nn.Module, qweights: dict[str, QuantizedWeight], al
         dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
         if qw.bias is None and getattr(old, "bias", None) is not None:
             qw = QuantizedWeight(qw.codes, qw.scales, qw.zeros, qw.group_size, qw.bits, old.bias.detach())
-        new = Int4Linear(qw, device=device, dtype=dtype, allow_kernel=allow_kernel)
+        new = Int4Linear(qw, device=device, dtype=dtype, allow_kernel=allow_kernel, kernel=kernel)
         parent_path, _, name = path.rpartition(".")
         setattr(modules[parent_path] if parent_path else model, name, new)
     return model

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call (H200): the fused Gated DeltaNet step kernel and the split attention-values
+# product against the torch reference, side by side at Qwen3.5-4B shape (bench_steps.py
+# --targets-only, with and without --reference-kernels, each with a kernel profile), after the
+# kernels' own tests on CUDA. Random weights: exact step costs.
+#   SETTINGS     latency settings (default short,medium,long)
+#   INT4_KERNEL  tinygemm|triton (default triton)
+#   COMPILE=1    the same two runs torch.compile'd (minutes of compilation each)
+export PYTHONPATH=${QFD_SRC:-$PWD} PYTHONUNBUFFERED=1
+SRC=${QFD_SRC:-$PWD}
+nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+(cd "$SRC" && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py 2>&1 | tail -3)
+for variant in reference fused; do
+    flags=""
+    [ "$variant" = reference ] && flags="--reference-kernels"
+    timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+        --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
+    grep -A12 "target step costs" "$OUT/targets_$variant.log"
+    grep "us of kernels" "$OUT/targets_$variant.log"
+done

@@ -1,0 +1,100 @@
+"""qfd's Triton W4A16 kernel: its packed layout, its torch op, and Int4Linear's "triton" mode.
+
+The layout, the float32 reference and the op's plumbing (Int4Linear, torch.compile's fake
+kernel) run on any CPU: without Triton the op computes `reference_matmul` on the packed
+layout. The kernel itself runs where Triton does: on a GPU, or on a CPU under Triton's
+interpreter (TRITON_INTERPRET=1, Triton installed); CI has no Triton, so those tests skip
+there. bench/bench_int4_kernels.py checks the kernel on the H200 (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from qfd.kernels import int4_triton
+from qfd.quant.grid import dequantize, rtn_quantize
+from qfd.quant.int4_linear import Int4Linear, cuda_kernel_choice
+
+
+def weight(n, k, group=128, symmetric=True, seed=0):
+    torch.manual_seed(seed)
+    return rtn_quantize(torch.randn(n, k) * 0.05, group, symmetric=symmetric, scale_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("n,k,group", [(40, 256, 128), (24, 320, 64), (16, 96, 32), (8, 512, 256)])
+def test_layout_round_trips_and_dequantizes_exactly(n, k, group, symmetric):
+    qw = weight(n, k, group, symmetric)
+    packed = int4_triton.pack_for_triton(qw)
+    assert packed.padded_in % int4_triton.TILE_K == 0 and packed.padded_in >= k
+    u = qw.codes.to(torch.int32) + (8 if symmetric else 0)
+    assert torch.equal(int4_triton.unpack_codes(packed), u)
+    assert torch.equal(int4_triton.dequantize_packed(packed), dequantize(qw, torch.float32))
+
+
+def test_reference_matmul_is_the_dequantized_product():
+    qw = weight(48, 384, 128)
+    x = torch.randn(5, 384)
+    packed = int4_triton.pack_for_triton(qw)
+    torch.testing.assert_close(int4_triton.reference_matmul(x, packed), x @ dequantize(qw, torch.float32).t(), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_rejects_what_the_layout_cannot_hold():
+    qw = weight(8, 96, 96)
+    with pytest.raises(ValueError, match="group size"):
+        int4_triton.pack_for_triton(qw)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 40, 300])
+def test_int4linear_triton_mode_matches_the_dense_layer(rows):
+    qw = weight(64, 256, 128)
+    layer = Int4Linear(qw, kernel="triton")
+    assert layer.mode == "triton"
+    x = torch.randn(2, rows, 256)
+    expected = torch.nn.functional.linear(x, dequantize(qw, torch.float32))
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_op_compiles_as_one_opaque_call():
+    qw = weight(32, 128, 128)
+    layer = Int4Linear(qw, kernel="triton")
+    x = torch.randn(3, 128)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), layer(x))
+
+
+def test_kernel_choice_reads_the_argument_then_the_environment(monkeypatch):
+    monkeypatch.setenv("QFD_INT4_KERNEL", "triton")
+    assert cuda_kernel_choice() == "triton"
+    assert cuda_kernel_choice("tinygemm") == "tinygemm"
+    monkeypatch.setenv("QFD_INT4_KERNEL", "marlin")
+    with pytest.raises(ValueError, match="QFD_INT4_KERNEL"):
+        cuda_kernel_choice()
+    # on a CPU the environment's choice does not move a layer off the CPU kernel
+    monkeypatch.setenv("QFD_INT4_KERNEL", "triton")
+    assert Int4Linear(weight(16, 128), kernel=None).mode == "cpu_int4"
+
+
+needs_triton = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="the Triton kernel needs Triton and a GPU, or TRITON_INTERPRET=1 (not on CI)",
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_kernel_matches_the_reference(rows, symmetric, split_k):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    qw = weight(80, 512, 128, symmetric)
+    packed = int4_triton.pack_for_triton(qw, device)
+    x = torch.randn(rows, 512, device=device)
+    bias = torch.randn(80, device=device)
+    config = int4_triton.KernelConfig(use_dot=rows > 1, block_n=32, split_k=split_k)
+    got = int4_triton.int4_matmul(x, packed, bias, config=config)
+    torch.testing.assert_close(got, int4_triton.reference_matmul(x, packed, bias), rtol=1e-4, atol=1e-4)
+    assert int(packed.counters.abs().sum()) == 0  # split-K leaves its counters at zero for the next launch
