@@ -75,7 +75,7 @@ def test_kernel_choice_reads_the_argument_then_the_environment(monkeypatch):
         cuda_kernel_choice()
     # on a CPU the environment's choice does not move a layer off the CPU kernel
     monkeypatch.setenv("QFD_INT4_KERNEL", "triton")
-    assert Int4Linear(weight(16, 128), kernel=None).mode == "cpu_int4"
+    assert Int4Linear(weight(16, 128), dtype=torch.bfloat16, kernel=None).mode == "cpu_int4"
 
 
 needs_triton = pytest.mark.skipif(

@@ -4,11 +4,15 @@ Kernels (torch built-ins, tinygemm convention w = (u - 8) * scale + zero with u 
 a per-group FLOAT zero): on CPU `_weight_int4pack_mm_for_cpu`, on CUDA `_weight_int4pack_mm`
 (bf16 activations). Our grid w = (q - z) * s maps to it exactly in real arithmetic:
 u = q (zero-point codes) or q + 8 (symmetric), zero = (8 - z) * s; in floating point the
-result differs from the dequantized matmul only by rounding (fp32: ~1e-6 relative, see
-tests/test_quant_int4_linear.py). The kernels win for decode-sized inputs only (CPU, 1536x576:
-M=1 ~6x faster than fp32 dense, M=256 ~20x SLOWER), so inputs of more than KERNEL_MAX_ROWS rows
-dequantize the weight on the fly from the kept nibbles and run a dense matmul. Shapes or devices
-a kernel rejects use a stored dequantized weight (`mode == "dequant"`).
+result differs from the dequantized matmul only by rounding (see
+tests/test_quant_int4_linear.py). The kernels win for decode-sized inputs only, so inputs of
+more than KERNEL_MAX_ROWS rows dequantize the weight on the fly from the kept nibbles and run a
+dense matmul. Shapes or devices a kernel rejects use a stored dequantized weight
+(`mode == "dequant"`), and so do float32 layers on the CPU: with torch 2.13 the CPU kernel is
+fast only for bf16 activations (2-core box, M=1: 576x576 15 us vs 27 us dense bf16; with fp32
+activations 284 us vs 23 us dense fp32, 12x SLOWER; docs/benchmarks.md, fifth session). A
+float32 CPU model therefore keeps the dequantized weights: the speed and memory of the bf16
+source model, exact w_hat arithmetic.
 
 On CUDA a second kernel is available: qfd's own Triton W4A16 matmul
 (`qfd.kernels.int4_triton`, mode "triton"), fast at 1 and at 16 rows where tinygemm
@@ -22,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qfd.models.linear import linear as dense_linear
 from qfd.quant.grid import dequantize
 from qfd.quant.types import QuantizedWeight
 
@@ -92,6 +97,8 @@ class Int4Linear(nn.Module):
         u, sz = tinygemm_operands(qw)
         try:
             if device.type == "cpu":
+                if dtype != torch.bfloat16:
+                    return  # the CPU kernel is 12x slower than a dense matmul for fp32 activations (module docstring)
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.contiguous(), 1)
                 sz = sz.to(dtype)
                 probe = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.zeros(1, self.in_features, dtype=dtype), packed, self.group_size, sz)
@@ -153,8 +160,8 @@ class Int4Linear(nn.Module):
         return ((u.to(torch.float32) - 8) * scale + zero).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "dequant":
-            return nn.functional.linear(x, self.weight_dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if self.mode == "dequant":  # qfd's Linear math: its CPU few-row path included
+            return dense_linear(x, self.weight_dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         if x2.shape[0] > KERNEL_MAX_ROWS[self.mode]:
