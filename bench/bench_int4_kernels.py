@@ -28,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qfd.kernels import int4_triton  # noqa: E402
+from qfd.models.graphs import capture  # noqa: E402
 from qfd.quant.grid import rtn_quantize  # noqa: E402
 from qfd.quant.int4_linear import tinygemm_operands  # noqa: E402
 
@@ -42,17 +43,9 @@ CALLS, REPLAYS = 20, 15
 
 
 def graph_time_us(fn) -> float:
-    """Median per-call time of `fn` replayed inside one CUDA graph of CALLS calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
+    """Median per-call time of `fn` replayed inside one CUDA graph of CALLS calls (captured as
+    the engine captures its steps: `qfd.models.graphs.capture`)."""
+    graph, _ = capture(lambda: [fn() for _ in range(CALLS)])
     times = []
     for _ in range(REPLAYS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -19,18 +19,13 @@ import torch
 from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
 
 
-def usable(x: torch.Tensor) -> bool:
-    """True when the kernel can run on `x`'s device (`qfd.kernels.runs_on`)."""
-    return runs_on(x)
-
-
 if _HAVE_TRITON:
 
     @triton.jit
     def _gated_delta_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, s_ptr, start_ptr, hist_ptr,
         T, H, DV, HIST_T,
-        DK: tl.constexpr, BV: tl.constexpr, HAS_HISTORY: tl.constexpr,
+        DK: tl.constexpr, BV: tl.constexpr,
     ):
         """Program (batch*head, dv block): q/k [B, T, H, DK], v/o [B, T, H, DV], g/beta [B, T, H],
         state/start [B, H, DK, DV], history [B, HIST_T, H, DK, DV]; all contiguous, float32."""
@@ -57,9 +52,8 @@ if _HAVE_TRITON:
             state = state + k_t[:, None] * delta[None, :]
             out = tl.sum(q_t[:, None] * state, axis=0)
             tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
-            if HAS_HISTORY:
-                hist_off = ((b * HIST_T + t) * H + h) * DK * DV
-                tl.store(hist_ptr + hist_off + tile, state, mask=tile_mask)
+            hist_off = ((b * HIST_T + t) * H + h) * DK * DV
+            tl.store(hist_ptr + hist_off + tile, state, mask=tile_mask)
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
 
 
@@ -72,7 +66,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     Returns the output [B, T, H, dv] float32. Without a usable Triton: the torch reference."""
     B, T, H, dk = k.shape
     dv = v.shape[-1]
-    if not usable(q):
+    if not runs_on(q):
         from qfd.models.gdn import recurrent_gated_delta
 
         start.copy_(state)
@@ -84,7 +78,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     block_v = 32
     _gated_delta_kernel[(B * H, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, out, state, start, history, T, H, dv, history.shape[1],
-        DK=dk, BV=block_v, HAS_HISTORY=True, num_warps=4,
+        DK=dk, BV=block_v, num_warps=4,
     )
     return out
 

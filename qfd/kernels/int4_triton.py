@@ -329,7 +329,3 @@ def int4_mm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 def _int4_mm_fake(x, qweight, scales, zeros, counters, bias, group_size, in_features):
     return x.new_empty(*x.shape[:-1], qweight.shape[1])
 
-
-def int4_mm(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x @ w_hat.T (+ bias) through the `qfd::int4_mm` op."""
-    return int4_mm_op(x, packed.qweight, packed.scales, packed.zeros, packed.counters, bias, packed.group_size, packed.in_features)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from qfd.kernels import gdn_triton
+from qfd.kernels import gdn_triton, runs_on
 from qfd.models.gdn import chunked_gated_delta, recurrent_gated_delta
 
 # Decode / verify steps through the fused Triton kernel where it runs (CUDA); False = the torch
@@ -52,7 +52,7 @@ class GDNState:
         T = q.shape[1]
         kernel_minus_1 = self.conv.shape[-1]
         self.window, self.steps = window, T
-        if T <= self.max_verify and FUSED_STEP and gdn_triton.usable(q):
+        if T <= self.max_verify and FUSED_STEP and runs_on(q):
             # one kernel: saves `start`, writes the history and the final state in place
             out = gdn_triton.gated_delta_step(q, k, v, g, beta, self.recurrent, self.start, self.history)
             self.inputs = None

@@ -141,9 +141,9 @@ class Int4Linear(nn.Module):
         return TritonInt4Weight(self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.group_size, self.in_features, self.out_features)
 
     def _triton_matmul(self, x2: torch.Tensor) -> torch.Tensor:
-        from qfd.kernels.int4_triton import int4_mm
+        from qfd.kernels.int4_triton import int4_mm_op
 
-        return int4_mm(x2, self._triton_weight(), self.bias)
+        return int4_mm_op(x2, self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.bias, self.group_size, self.in_features)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """w = (u - 8) * scale + zero, [out, in], from the kept nibbles (same formula as the kernel)."""
