@@ -107,7 +107,7 @@ def main() -> None:
     model_dir = resolve_model(args.target)
     target, tokenizer = load_target(model_dir, "cpu", torch.float32)
     if args.drafter is not None:
-        drafter = load_drafter(args.drafter, "cpu", torch.float32)
+        drafter = load_drafter(args.drafter, "cpu", torch.float32, fuse=True)
     else:
         torch.manual_seed(0)
         cfg = config_for_target(read_json(model_dir.path / "config.json"), tokenizer, num_layers=args.layers, block_size=args.block_size)

@@ -5,7 +5,7 @@ static cache + torch.compile on CUDA) as the outside anchor - side by side in on
     python bench/bench_e2e.py --target DIR --drafter DIR [--prompts test.jsonl] [--num 8]
         [--max-new-tokens 256] [--device cuda] [--hf-compile] [--no-hf] [--out e2e.json]
         [--few-shot K --shots train.jsonl] [--windows 256,1024] [--max-len 8192] [--draft-lens 4,8]
-        [--compile] [--draft-vocab 8192]
+        [--compile] [--draft-vocab 8192] [--int4-head]
 
 --few-shot K makes long prompts: K solved GSM8K train problems as earlier chat turns before
 each test question. --windows adds rows where the drafter sees only the last W context tokens
@@ -21,6 +21,8 @@ draft_vocab.safetensors, see `qfd draft vocab`), each also at every --draft-lens
 --short-block adds each --draft-lens row again with the drafter's block forward over only the
 k + 1 slots it verifies instead of all B (Engine(short_block=True)): k+1/B of its work, drafts
 from a block shape it was not trained on (tau shows what that costs; output stays lossless).
+--int4-head loads the target with its LM head in INT4 (load_target(int4_head=True),
+qfd.quant.head) for every qfd row; the transformers rows keep the checkpoint's head.
 
 Prints a table (tokens/s, speedup over qfd's BF16 target-only eager and graphed paths, tau)
 and how many speculative outputs are identical to target-only greedy (bf16 kernels may flip
@@ -116,6 +118,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also rows with the fixed-shape steps torch.compile'd before CUDA-graph capture")
     p.add_argument("--draft-vocab", default="", help="comma-separated draft vocabulary sizes N to add as speculative rows (each also at every --draft-lens k)")
     p.add_argument("--short-block", action="store_true", help="also each --draft-lens row with the drafter's block cut to its k + 1 used slots (Engine(short_block=True))")
+    p.add_argument("--int4-head", action="store_true", help="the target's LM head in INT4 (RTN g128) for the qfd rows (load_target(int4_head=True))")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
     args = p.parse_args()
 
@@ -127,8 +130,8 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target_dir = resolve_model(args.target).path
-    target, tokenizer = load_target(target_dir, device, dtype)
-    drafter = load_drafter(Path(args.drafter), device=device, dtype=dtype)
+    target, tokenizer = load_target(target_dir, device, dtype, int4_head=args.int4_head)
+    drafter = load_drafter(Path(args.drafter), device=device, dtype=dtype, fuse=True)
     draft_lens = [int(k) for k in args.draft_lens.split(",") if k]
     draft_vocabs = [int(v) for v in args.draft_vocab.split(",") if v]
     if draft_vocabs and drafter.draft_vocab_counts is None:
@@ -200,13 +203,13 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"end to end, {args.num} GSM8K test prompts ({args.few_shot}-shot, {prompt_tokens:.0f} prompt tokens on average), {args.max_new_tokens} new tokens, T=0, {torch.cuda.get_device_name() if graphs else 'cpu'}")
+    table = Table(title=f"end to end, {args.num} GSM8K test prompts ({args.few_shot}-shot, {prompt_tokens:.0f} prompt tokens on average), {args.max_new_tokens} new tokens, T=0{', INT4 LM head (qfd rows)' if args.int4_head else ''}, {torch.cuda.get_device_name() if graphs else 'cpu'}")
     for col in ("system", "tokens/s", f"x {base_key}", "tau", "identical outputs"):
         table.add_column(col, justify="right")
     for name, row in rows.items():
         table.add_row(name, f"{row['tokens_per_s']:.1f}", f"{row['speedup_vs_qfd_target_only']:.2f}", "" if row["tau"] is None else f"{row['tau']:.2f}", str(row.get("identical_to_target_only", "")))
     Console().print(table)
-    args.out.write_text(json.dumps({"device": str(device), "num": args.num, "few_shot": args.few_shot, "prompt_tokens_mean": prompt_tokens, "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2))
+    args.out.write_text(json.dumps({"device": str(device), "num": args.num, "few_shot": args.few_shot, "prompt_tokens_mean": prompt_tokens, "max_new_tokens": args.max_new_tokens, "int4_head": args.int4_head, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (static cache; CUDA graphs on CUDA)")
+    p.add_argument("--unfused-row", action="store_true", help="also time qfd with its projections unfused (load_target(fuse=False)), side by side")
     p.add_argument("--out", type=Path, default=Path("bench_generate.json"))
     return p.parse_args(argv)
 
@@ -74,11 +75,11 @@ def bench_transformers(model_dir, ids, n, device, dtype, compile_, sync, repeats
     return _row("transformers generate" + (" (static+compile)" if compile_ else ""), n, totals, ttfts), out[0, len(ids):].tolist()
 
 
-def bench_qfd(model_dir, ids, n, device, dtype, compile_, sync, repeats):
+def bench_qfd(model_dir, ids, n, device, dtype, compile_, sync, repeats, fuse=True):
     from qfd.models.loading import load_target
     from qfd.stages.generate import decode
 
-    model, _ = load_target(model_dir, device, dtype, tokenizer=False)
+    model, _ = load_target(model_dir, device, dtype, tokenizer=False, fuse=fuse)
     cache = model.new_cache(len(ids) + n, static=compile_)
     step = compiled_step(model, cache) if compile_ else None
     decode(model, ids, max_new_tokens=n, cache=cache, step=step)  # warm-up (and compilation)
@@ -87,7 +88,7 @@ def bench_qfd(model_dir, ids, n, device, dtype, compile_, sync, repeats):
         result = decode(model, ids, max_new_tokens=n, cache=cache, step=step)
         totals.append(result.total_s)
         ttfts.append(result.ttft_s)
-    return _row("qfd runtime" + (" (static+compile)" if compile_ else ""), n, totals, ttfts), result.tokens
+    return _row("qfd runtime" + (" (static+compile)" if compile_ else "") + ("" if fuse else " unfused projections"), n, totals, ttfts), result.tokens
 
 
 def compiled_step(model, cache):
@@ -134,19 +135,24 @@ def main(argv=None):
     console.print(f"[dim]{args.target} on {device} ({dtype}), prompt {len(ids)} tokens, {n} new tokens, {torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f}[/dim]")
     hf_row, hf_tokens = bench_transformers(model_dir, ids, n, device, dtype, args.compile, sync, args.repeats)
     qfd_row, qfd_tokens = bench_qfd(model_dir, ids, n, device, dtype, args.compile, sync, args.repeats)
+    unfused_row = bench_qfd(model_dir, ids, n, device, dtype, args.compile, sync, args.repeats, fuse=False)[0] if args.unfused_row else None
     agree = next((i for i, (a, b) in enumerate(zip(hf_tokens, qfd_tokens)) if a != b), min(len(hf_tokens), len(qfd_tokens)))
     table = Table(title=f"qfd generate vs transformers generate: {args.target}, {device}, {str(dtype).replace('torch.', '')}, greedy, {n} tokens")
     for column in ("engine", "tokens/s", "decode tokens/s", "TTFT ms", "total s"):
         table.add_column(column, justify="right" if column != "engine" else "left")
-    for row in (hf_row, qfd_row):
+    for row in (hf_row, qfd_row, unfused_row):
+        if row is None:
+            continue
         table.add_row(row["name"], f"{row['tokens_per_s']:.1f}", f"{row['decode_tokens_per_s']:.1f}", f"{row['ttft_s'] * 1000:.0f}", f"{row['total_s']:.2f}")
     Console().print(table)
     speedup = qfd_row["tokens_per_s"] / hf_row["tokens_per_s"]
     console.print(f"qfd / transformers: {speedup:.2f}x tokens/s; greedy tokens identical for the first {agree} of {n}")
+    if unfused_row:
+        console.print(f"qfd fused / unfused projections: {qfd_row['decode_tokens_per_s'] / unfused_row['decode_tokens_per_s']:.2f}x decode tokens/s")
     report = {
         "target": args.target, "device": str(device), "dtype": str(dtype), "prompt_tokens": len(ids), "new_tokens": n,
         "threads": torch.get_num_threads(), "load_average": os.getloadavg()[0], "compile": args.compile,
-        "transformers": hf_row, "qfd": qfd_row, "speedup": speedup, "identical_prefix_tokens": agree,
+        "transformers": hf_row, "qfd": qfd_row, "qfd_unfused": unfused_row, "speedup": speedup, "identical_prefix_tokens": agree,
         "torch": torch.__version__,
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")

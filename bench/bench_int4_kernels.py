@@ -5,10 +5,16 @@ decode (1 row) and the 16-token verify (16 rows): bf16 dense (`F.linear`), torch
 
 Each kernel is timed the way the engine runs it: CALLS back-to-back calls captured in one CUDA
 graph, replayed REPLAYS times; the figure is the median replay / CALLS (microseconds), so
-launch overhead is out, as in a graphed step. Every Triton result is checked against the
-float32 reference on the same packed layout (max |error| / max |reference|).
+launch overhead is out, as in a graphed step. The calls cycle through enough copies of the
+weight that they stream from HBM, as a model's weights do in a decode (a weight read 20 times
+in a row sits in the H200's 50 MB L2 and times 2-4x too fast); `--hot` times one copy, as
+before 2026-12-05. Every Triton result is checked against the float32 reference on the same
+packed layout (max |error| / max |reference|).
 
-    python bench/bench_int4_kernels.py [--rows 1,16] [--sweep] [--out int4_kernels.json]
+The shapes: every linear of a Qwen3.5-4B layer, the fused groups qfd runs (qfd.models.fuse:
+gate+up, GDN qkv+z+b+a, attention q+k+v) and the 248K-row LM head.
+
+    python bench/bench_int4_kernels.py [--rows 1,16] [--sweep] [--hot] [--out int4_kernels.json]
 
 Needs CUDA (and Triton for the Triton rows).
 """
@@ -20,6 +26,7 @@ import itertools
 import json
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,14 +45,24 @@ SHAPES = (
     ("gdn in_proj_qkv", 8192, 2560), ("gdn in_proj_z", 4096, 2560), ("gdn out_proj", 2560, 4096),
     ("attn q_proj (gated)", 8192, 2560), ("attn k/v_proj", 1024, 2560), ("attn o_proj", 2560, 4096),
     ("mlp gate/up_proj", 9216, 2560), ("mlp down_proj", 2560, 9216),
+    ("fused gdn in_proj", 12352, 2560), ("fused attn qkv", 10240, 2560), ("fused mlp gate_up", 18432, 2560),
+    ("lm_head", 248320, 2560),
 )
+UNFUSED = 8  # the first SHAPES are the unfused layer's (summed as before)
 CALLS, REPLAYS = 20, 15
+L2_BYTES = 50 * 2**20  # H200; the copies of a weight cover 3x this
 
 
-def graph_time_us(fn) -> float:
-    """Median per-call time of `fn` replayed inside one CUDA graph of CALLS calls (captured as
-    the engine captures its steps: `qfd.models.graphs.capture`)."""
-    graph, _ = capture(lambda: [fn() for _ in range(CALLS)])
+def copies_for(nbytes: int, hot: bool) -> int:
+    """Weight copies to cycle through so consecutive calls miss L2 (1 when `hot`)."""
+    return 1 if hot else max(1, min(CALLS, -(-3 * L2_BYTES // nbytes)))
+
+
+def graph_time_us(fns) -> float:
+    """Median per-call time of CALLS calls cycling through `fns` (one per weight copy), replayed
+    inside one CUDA graph (captured as the engine captures its steps: `qfd.models.graphs.capture`)."""
+    fns = fns if isinstance(fns, (list, tuple)) else [fns]
+    graph, _ = capture(lambda: [fns[i % len(fns)]() for i in range(CALLS)])
     times = []
     for _ in range(REPLAYS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -58,10 +75,16 @@ def graph_time_us(fn) -> float:
 
 
 def sweep_configs(m: int):
-    """The launch configs tried per shape (GEMV path for 1 row, tensor-core path otherwise)."""
+    """The launch configs tried per shape: for 1 row the GEMV kernel's block / tiles per step /
+    split / warps / pipeline stages (offset-sum arithmetic; the best is re-timed with the exact
+    one) and the generic kernel's CUDA-core path; the tensor-core path otherwise."""
     if m == 1:
-        for bn, split, warps in itertools.product((64, 128, 256), (1, 2, 4, 8), (2, 4)):
-            yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps)
+        for (bn, tiles), split, warps, stages in itertools.product(
+            ((32, 1), (64, 1), (128, 1), (32, 2), (64, 2), (128, 2), (32, 4), (64, 4)), (1, 2, 4, 8), (4, 8), (1, 3)
+        ):
+            yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps, num_stages=stages, tiles=tiles, offset_sum=True)
+        for bn, split in itertools.product((64, 128), (1, 4, 8)):
+            yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split)
     else:
         for bn, split, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (1, 2)):
             yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages)
@@ -72,6 +95,11 @@ def main() -> None:
     p.add_argument("--rows", default="1,16", help="comma-separated row counts M")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--sweep", action="store_true", help="also try a grid of Triton launch configs per shape")
+    p.add_argument("--hot", action="store_true", help="time one weight copy (L2-resident) instead of cycling through HBM-sized copies")
+    p.add_argument("--shapes", default="", help="comma-separated substrings: only the shapes whose name has one")
+    p.add_argument("--write-tuned", nargs="?", const="", default=None, metavar="PATH",
+                   help="with --sweep: write each shape's best config as the GPU's tuned table, which Int4Linear's "
+                        "Triton kernel then uses (default PATH: qfd/kernels/tuned/<GPU name>.json)")
     p.add_argument("--out", type=Path, default=Path("int4_kernels.json"))
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -80,41 +108,65 @@ def main() -> None:
     have_triton = int4_triton.available()
     torch.manual_seed(0)
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "group_size": args.group_size, "calls_per_graph": CALLS, "rows": []}
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "group_size": args.group_size, "calls_per_graph": CALLS,
+               "weights": "one copy, L2-hot" if args.hot else "cycled copies over 3x L2 (HBM-streamed)", "rows": [], "sweep": []}
+    wanted = [w for w in args.shapes.split(",") if w]
+    shapes = [sh for sh in SHAPES if not wanted or any(w in sh[0] for w in wanted)]
 
     def save():
         args.out.write_text(json.dumps(results, indent=2))
 
-    for (name, n, k), m in itertools.product(SHAPES, rows_list):
+    for (name, n, k), m in itertools.product(shapes, rows_list):
         w = torch.randn(n, k, device=dev) * 0.02
         qw = rtn_quantize(w, args.group_size, scale_dtype=dtype)
+        del w
         x = torch.randn(m, k, device=dev, dtype=dtype)
         dense = qw.codes.float().sub(0 if qw.zeros is None else qw.zeros.float().repeat_interleave(args.group_size, 1))
         dense = (dense * qw.scales.float().repeat_interleave(args.group_size, 1)).to(dtype)
         row = {"shape": name, "n": n, "k": k, "m": m, "weight_mb_int4": n * k / 2 / 1e6}
-        row["bf16_us"] = graph_time_us(lambda: F.linear(x, dense))
+        copies = [dense] + [dense.clone() for _ in range(copies_for(dense.numel() * 2, args.hot) - 1)]
+        row["bf16_us"] = graph_time_us([lambda d=d: F.linear(x, d) for d in copies])
+        del copies
         u, sz = tinygemm_operands(qw)
-        packed_tg = torch.ops.aten._convert_weight_to_int4pack(((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8), 8)
-        sz = sz.to(dtype)
-        row["tinygemm_us"] = graph_time_us(lambda: torch.ops.aten._weight_int4pack_mm(x, packed_tg, args.group_size, sz))
+        packed_tg = torch.ops.aten._convert_weight_to_int4pack(((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8).to(dev), 8)
+        sz = sz.to(device=dev, dtype=dtype)
+        del u
+        n_int4 = copies_for(packed_tg.numel() * packed_tg.element_size(), args.hot)
+        copies = [packed_tg] + [packed_tg.clone() for _ in range(n_int4 - 1)]
+        row["tinygemm_us"] = graph_time_us([lambda p=p: torch.ops.aten._weight_int4pack_mm(x, p, args.group_size, sz) for p in copies])
+        del copies, packed_tg
         if have_triton:
             packed = int4_triton.pack_for_triton(qw, dev, scale_dtype=dtype)
-            ref = int4_triton.reference_matmul(x, packed).float()
-            got = int4_triton.int4_matmul(x, packed).float()
-            row["triton_rel_err"] = float((got - ref).abs().max() / ref.abs().max())
-            row["triton_us"] = graph_time_us(lambda: int4_triton.int4_matmul(x, packed))
+            packs = [packed] + [replace(packed, qweight=packed.qweight.clone(), scales=packed.scales.clone()) for _ in range(n_int4 - 1)]
+            ref = int4_triton.reference_matmul(x, packed).float() if n * k <= 2**27 else None  # the head's float32 reference would take 2.5 GB
+
+            def timed(cfg=None, rel_err_key=None):
+                if rel_err_key and ref is not None:
+                    got = int4_triton.int4_matmul(x, packed, config=cfg).float()
+                    row[rel_err_key] = float((got - ref).abs().max() / ref.abs().max())
+                return graph_time_us([lambda p=p: int4_triton.int4_matmul(x, p, config=cfg) for p in packs])
+
+            row["triton_us"] = timed(None, "triton_rel_err")
             row["triton_config"] = vars(int4_triton.pick_config(m, n, k))
             if args.sweep:
                 best = None
                 for cfg in sweep_configs(m):
                     try:
-                        t = graph_time_us(lambda: int4_triton.int4_matmul(x, packed, config=cfg))
-                    except Exception as e:  # a config the compiler rejects (shared memory): skip it
+                        t = timed(cfg)
+                    except Exception as e:  # a config the compiler rejects (shared memory, registers): skip it
                         print(f"  {name} m={m} {cfg}: {type(e).__name__}", file=sys.stderr)
                         continue
+                    results["sweep"].append({"shape": name, "m": m, "us": t, **vars(cfg)})
                     if best is None or t < best[0]:
                         best = (t, cfg)
                 row["triton_best_us"], row["triton_best_config"] = best[0], vars(best[1])
+                if best[1].offset_sum:  # the same launch with exact (q - z) arithmetic, and both errors
+                    exact = replace(best[1], offset_sum=False)
+                    row["triton_best_exact_us"] = timed(exact, "triton_best_exact_rel_err")
+                    timed(best[1], "triton_best_rel_err")
+                    if row["triton_best_exact_us"] <= best[0]:  # exact and no slower: prefer it
+                        row["triton_best_us"], row["triton_best_config"] = row["triton_best_exact_us"], vars(exact)
+            del packs, packed
         results["rows"].append(row)
         save()
         print(f"{name} m={m}: " + ", ".join(f"{key} {row[key]:.2f}" for key in ("bf16_us", "tinygemm_us", "triton_us", "triton_best_us") if key in row), flush=True)
@@ -131,7 +183,7 @@ def main() -> None:
             return f"{r[key]:.1f} ({r['bf16_us'] / r[key]:.2f}x)" if key in r else "-"
 
         for key in ("bf16_us", "tinygemm_us", "triton_us", "triton_best_us"):
-            if key in r:
+            if key in r and any(r["shape"] == sh[0] for sh in SHAPES[:UNFUSED]):
                 totals.setdefault((r["m"], key), 0.0)
                 totals[(r["m"], key)] += r[key] * (2 if r["shape"].startswith("mlp gate") else 1)
         table.add_row(r["shape"], f"{r['n']}x{r['k']}", str(r["m"]), f"{r['bf16_us']:.1f}", cell("tinygemm_us"), cell("triton_us"), cell("triton_best_us"),
@@ -144,6 +196,39 @@ def main() -> None:
     for m in rows_list:
         parts = {key: totals.get((m, key)) for key in ("bf16_us", "tinygemm_us", "triton_us", "triton_best_us")}
         print(f"rows={m}: sum over the listed linears (gate/up twice): " + ", ".join(f"{key[:-3]} {v:.1f} us" for key, v in parts.items() if v))
+    for r in results["rows"]:
+        if "triton_best_us" in r:
+            nbytes = r["n"] * r["k"] / 2 + r["n"] * r["k"] / args.group_size * 2  # codes + bf16 scales
+            gbps = nbytes / (r["triton_best_us"] * 1e-6) / 1e9
+            exact = f", exact arithmetic {r['triton_best_exact_us']:.2f} us" if "triton_best_exact_us" in r else ""
+            print(f"  best {r['shape']} m={r['m']}: {r['triton_best_us']:.2f} us ({gbps:.0f} GB/s of codes + scales){exact}: {r['triton_best_config']}")
+    for m, cfg, total in best_single_configs(results["sweep"]):
+        print(f"rows={m}: best single config over all swept shapes: {total:.1f} us in all, {cfg}")
+    results["best_single"] = [{"m": m, "sum_us": total, **cfg} for m, cfg, total in best_single_configs(results["sweep"])]
+    save()
+    if args.write_tuned is not None and args.sweep:
+        path = Path(args.write_tuned) if args.write_tuned else int4_triton.tuned_file(results["device"])
+        entries = [{"m": r["m"], "n": r["n"], "k": r["k"], "us": round(r["triton_best_us"], 2), **r["triton_best_config"]}
+                   for r in results["rows"] if "triton_best_config" in r and r["m"] in (1, 16)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"device": results["device"], "torch": results["torch"], "weights": results["weights"], "configs": entries}, indent=1) + "\n")
+        print(f"tuned configs for {results['device']}: {path} ({len(entries)} shapes)")
+
+
+def best_single_configs(sweep: list[dict]):
+    """(m, config, summed us) of the config fastest summed over every shape it ran on, per row
+    count (only configs that ran on every shape of that row count)."""
+    for m in sorted({e["m"] for e in sweep}):
+        entries = [e for e in sweep if e["m"] == m]
+        shapes = {e["shape"] for e in entries}
+        sums: dict[tuple, list] = {}
+        for e in entries:
+            key = tuple((k, v) for k, v in e.items() if k not in ("shape", "us"))
+            sums.setdefault(key, []).append(e["us"])
+        full = {key: sum(v) for key, v in sums.items() if len(v) == len(shapes)}
+        if full:
+            key = min(full, key=full.get)
+            yield m, {k: v for k, v in key if k != "m"}, full[key]
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
             if drafter_dir:
                 from qfd.models.drafter import load_drafter
 
-                drafter = load_drafter(drafter_dir, device, dtype)
+                drafter = load_drafter(drafter_dir, device, dtype, fuse=True)
             engine = Engine(target, tokenizer, drafter=drafter, max_len=longest + 1)
             timed = latency.engine_timed_generate(engine, device)
         else:

@@ -15,12 +15,15 @@ setting: BF16 target-only -> INT4 target -> + drafter (bf16, full attention) -> 
 setting's prompt length as context.
 
     python bench/bench_steps.py --device cuda [--shape qwen3.5-4b|tiny] [--tau 5.03] [--draft-len K] [--compile] [--int4-kernel triton]
-        [--settings short,medium,long] [--out steps.json]
+        [--no-fuse] [--int4-head] [--settings short,medium,long] [--out steps.json]
 
 --draft-len K times a step that drafts K <= B-1 tokens (the drafter's LM head over K slots)
 and verifies K+1 (Engine(draft_len=K)); the default is the whole block. On a CPU see also
 bench/bench_cpu_draft_len.py, which sweeps K on the embedded model. --compile torch.compiles
 every fixed-shape step (decode, verify, draft) before its CUDA-graph capture (Engine(compile_steps=True)).
+The targets' same-input projections are fused as load_target fuses them (qfd.models.fuse);
+--no-fuse (or QFD_FUSE=0) times the unfused model. --int4-head quantizes the INT4 target's LM
+head too (qfd.quant.head, as load_target(int4_head=True)); the BF16 target keeps its own.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
+from qfd.models.fuse import fuse_projections, fusion_enabled  # noqa: E402
 from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps  # noqa: E402
 from qfd.models.target import TargetConfig, TargetModel  # noqa: E402
 from qfd.quant.int4_linear import CUDA_KERNELS, cuda_kernel_choice  # noqa: E402
@@ -99,7 +103,7 @@ def quantize_linears(model: torch.nn.Module, group_size: int, skip=("lm_head",),
     return model
 
 
-def build_target(shape: dict, device, dtype, int4: bool, group_size: int, kernel: str | None = None) -> TargetModel:
+def build_target(shape: dict, device, dtype, int4: bool, group_size: int, kernel: str | None = None, fuse: bool = True, int4_head: bool = False) -> TargetModel:
     torch.manual_seed(0)
     with torch.device(device):
         model = TargetModel(TargetConfig.from_hf(shape, "qwen3_5")).to(dtype)
@@ -109,6 +113,12 @@ def build_target(shape: dict, device, dtype, int4: bool, group_size: int, kernel
     model.reset_rope(device)
     if int4:
         quantize_linears(model, group_size, kernel=kernel)
+        if int4_head:  # the tied embedding stays dense for the lookups
+            from qfd.quant.head import quantize_head
+
+            quantize_head(model, group_size, kernel=kernel)
+    if fuse:  # after the INT4 swap, as load_target fuses after loading
+        fuse_projections(model)
     return model.eval()
 
 
@@ -188,11 +198,12 @@ def kernel_profile(fn, device, iters: int = 10, top: int = 25) -> dict:
     }
 
 
-def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, num_drafts=None, compile_steps=False, group_size=128, kernel=None, out=None, on_update=None) -> dict:
+def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, num_drafts=None, compile_steps=False, group_size=128, kernel=None, out=None, on_update=None, fuse=True) -> dict:
     """One draft (StaticDraftStep) and one context append of a verify's k + 1 taps
     (StaticAppendStep, what the engine replays; `append_eager_*` the Python-launched one) for a
     5-layer drafter, bf16 and INT4 (RTN), full attention and a 1024-token window, per context.
-    Fills `out` (returned) and calls `on_update()` after each variant; the ledger's three come first."""
+    Fills `out` (returned) and calls `on_update()` after each variant; the ledger's three come
+    first. `fuse`: k/v and gate/up stacked, as load_drafter(fuse=True) serves it."""
     out = {} if out is None else out
     rows = (num_drafts or block - 1) + 1
     for precision, window in (("bf16", None), ("int4", None), ("int4", 1024), ("bf16", 1024)):
@@ -201,6 +212,8 @@ def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, n
         drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
         if precision == "int4":
             quantize_linears(drafter, group_size, kernel=kernel)
+        if fuse:
+            fuse_projections(drafter)
         for context in contexts:
             cache = drafter.new_cache(context + 2 * block)
             taps = torch.randn(1, context, len(cfg.target_layer_ids) * cfg.target_hidden_size, device=device, dtype=dtype)
@@ -270,8 +283,11 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape steps before CUDA-graph capture")
     p.add_argument("--int4-kernel", choices=CUDA_KERNELS, default=None, help="CUDA INT4 matmul kernel (default: $QFD_INT4_KERNEL, else Int4Linear's default)")
+    p.add_argument("--no-fuse", action="store_true", help="keep the targets' q/k/v, gate/up and GDN in_proj_* linears separate (default: fused, as load_target does)")
+    p.add_argument("--int4-head", action="store_true", help="the INT4 target's LM head in INT4 too (RTN, qfd.quant.head; default: bf16 head, as INT4 checkpoints ship it)")
     p.add_argument("--profile", action="store_true", help="also profile the target's decode and verify (CUDA kernels / CPU ops; first setting)")
     p.add_argument("--reference-kernels", action="store_true", help="the torch GDN recurrence and the single attention-values GEMM instead of the fused GDN step kernel and the split product (side-by-side runs)")
+    p.add_argument("--no-fused-conv", action="store_true", help="the GDN step kernel without the conv/SiLU/normalisation/gates folded in (conv and gates in torch: the 2026-12-04 kernel; side-by-side runs)")
     p.add_argument("--targets-only", action="store_true", help="time the targets only (no drafter, no ledger)")
     p.add_argument("--no-compile-drafter", action="store_true", help="with --compile: compile the targets' steps only (the drafter's stay graphed, uncompiled; saves its compiles)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated latency settings to time (default all: short,medium,long)")
@@ -299,6 +315,10 @@ def main() -> None:
         import qfd.models.target
 
         qfd.models.cache.FUSED_STEP = qfd.models.target.SPLIT_VALUES = False
+    if args.no_fused_conv:
+        import qfd.models.cache
+
+        qfd.models.cache.FUSED_CONV = False
     if args.compile:  # each size x drafter variant x context recompiles the same code object: room for all
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
@@ -307,18 +327,19 @@ def main() -> None:
     longest = 8192 if args.shape == "qwen3.5-4b" else 2048
     max_len = longest + 300 + 2 * args.block
     taps = config_for_target(shape, mask_token_id=0).target_layer_ids
+    fuse = not args.no_fuse and fusion_enabled()
 
-    results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "reference_kernels": args.reference_kernels}
+    results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels)}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures
         args.out.write_text(json.dumps(results, indent=2))
 
-    bf16 = build_target(shape, device, dtype, int4=False, group_size=args.group_size)
+    bf16 = build_target(shape, device, dtype, int4=False, group_size=args.group_size, fuse=fuse)
     results["bf16"] = target_costs(bf16, max_len, verify_len, measure, device, (), args.compile, settings, args.profile)
     save()
     del bf16
     torch.cuda.empty_cache() if device.type == "cuda" else None
-    int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size, kernel=args.int4_kernel)
+    int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size, kernel=args.int4_kernel, fuse=fuse, int4_head=args.int4_head)
     results["int4"] = target_costs(int4, max_len, verify_len, measure, device, taps, args.compile, settings, args.profile)
     save()
     if args.targets_only:
@@ -327,7 +348,7 @@ def main() -> None:
     # the prompts' contexts (the ledger), plus 1K and 8K (issue 9: SWA at 8K vs 1K)
     contexts = sorted({1024, 8192 if args.shape == "qwen3.5-4b" else 2048} | {SETTINGS[s][0] for s in settings})
     results["drafter"] = {}
-    drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, contexts, num_drafts=draft_len, compile_steps=args.compile and not args.no_compile_drafter, group_size=args.group_size, kernel=args.int4_kernel, out=results["drafter"], on_update=save)
+    drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, contexts, num_drafts=draft_len, compile_steps=args.compile and not args.no_compile_drafter, group_size=args.group_size, kernel=args.int4_kernel, out=results["drafter"], on_update=save, fuse=fuse)
     if device.type == "cuda":
         results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     save()
@@ -354,7 +375,7 @@ def report(results: dict) -> None:
     console = Console()
     rows, final = results.get("ledger", []), LEDGER[-1][0]
     d = results.get("drafter", {})
-    kind = f"{results['shape']}, {results['device']}, {results['draft_len']} drafts / {results['draft_len'] + 1}-token verify, INT4 {results['int4_kernel'] if results['device'] != 'cpu' else 'CPU kernel'}{', reference GDN/attention kernels' if results.get('reference_kernels') else ''}{(', compiled' + ('' if results.get('compile_drafter', True) else ' targets (drafter uncompiled)')) if results['compile'] else ''}"
+    kind = f"{results['shape']}, {results['device']}, {results['draft_len']} drafts / {results['draft_len'] + 1}-token verify, INT4 {results['int4_kernel'] if results['device'] != 'cpu' else 'CPU kernel'}{', reference GDN/attention kernels' if results.get('reference_kernels') else ''}{', unfused projections' if results.get('fused') is False else ''}{', INT4 LM head' if results.get('int4_head') else ''}{', GDN conv/gates in torch' if results.get('fused_conv') is False else ''}{(', compiled' + ('' if results.get('compile_drafter', True) else ' targets (drafter uncompiled)')) if results['compile'] else ''}"
     steps = Table(title=f"step costs, ms ({kind})")
     for col in ("setting", "bf16 decode", "int4 decode", "int4 verify+rollback", "spec step (full system)", "step / int4 decode", "GDN rollback / step"):
         steps.add_column(col, justify="right")

@@ -88,7 +88,7 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target_dir = resolve_model(args.target).path
     target, tokenizer = load_target(target_dir, device, dtype)
-    drafter = load_drafter(args.drafter, device=device, dtype=dtype)
+    drafter = load_drafter(args.drafter, device=device, dtype=dtype, fuse=True)
     engine = Engine(target, tokenizer, drafter=drafter, max_len=2048)
     rows = [json.loads(line) for line in args.prompts.read_text().splitlines() if line.strip()][: args.num]
     sequences, served_steps = [], []

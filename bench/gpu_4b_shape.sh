@@ -6,7 +6,8 @@
 #   COMPILE=1  time the steps again with --compile (torch.compile before CUDA-graph capture),
 #              side by side in the same call (steps_compiled.json)
 #   QAD_S=0    skip the QAD memory plan
-#   KERNELS=1  first: the INT4 matmul kernels side by side (KERNELS_SWEEP=1: with a launch-config sweep)
+#   KERNELS=1  first: the INT4 matmul kernels side by side (KERNELS_SWEEP=1: with a launch-config sweep,
+#              whose best configs become the GPU's tuned table for the steps that follow)
 #              (bench_int4_kernels.py, int4_kernels.json) and the Triton kernel's tests
 #   INT4_KERNEL=tinygemm|triton   the INT4 kernel the steps run (default: Int4Linear's)
 #   UNCOMPILED=0  skip the uncompiled steps (with COMPILE=1: only the compiled ones)
@@ -18,7 +19,10 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 if [ -n "${KERNELS:-}" ]; then
     (cd "$SRC" && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_int4_triton.py 2>&1 | tail -3)
-    timeout "${KERNELS_S:-200}" python3 "$SRC/bench/bench_int4_kernels.py" ${KERNELS_SWEEP:+--sweep} --out "$OUT/int4_kernels.json" 2>&1 | grep -v Warning | tee "$OUT/int4_kernels.log" | tail -30
+    # a sweep writes the GPU's tuned launch configs into this tree copy (the steps below use
+    # them) and into $OUT (commit it as qfd/kernels/tuned/<GPU>.json)
+    timeout "${KERNELS_S:-200}" python3 "$SRC/bench/bench_int4_kernels.py" ${KERNELS_SWEEP:+--sweep --write-tuned} --out "$OUT/int4_kernels.json" 2>&1 | grep -v Warning | tee "$OUT/int4_kernels.log" | tail -30
+    [ -z "${KERNELS_SWEEP:-}" ] || cp "$SRC"/qfd/kernels/tuned/*.json "$OUT/" 2>/dev/null
 fi
 steps() {  # steps NAME [FLAGS...]
     name=$1; shift

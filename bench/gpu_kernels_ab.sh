@@ -6,13 +6,18 @@
 #   SETTINGS     latency settings (default short,medium,long)
 #   INT4_KERNEL  tinygemm|triton (default triton)
 #   COMPILE=1    the same two runs torch.compile'd (minutes of compilation each)
+#   VARIANTS     which runs (default "reference fused"): reference (torch GDN recurrence, single
+#                values GEMM), conv_in_torch (the GDN step kernel without the conv and gates
+#                folded in), unfused (q/k/v, gate/up, GDN in_proj_* separate), fused (all of it)
 export PYTHONPATH=${QFD_SRC:-$PWD} PYTHONUNBUFFERED=1
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-(cd "$SRC" && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py 2>&1 | tail -3)
-for variant in reference fused; do
+(cd "$SRC" && timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py tests/test_int4_dequant.py 2>&1 | tail -3)
+for variant in ${VARIANTS:-reference fused}; do
     flags=""
     [ "$variant" = reference ] && flags="--reference-kernels"
+    [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
+    [ "$variant" = unfused ] && flags="--no-fuse"
     timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"

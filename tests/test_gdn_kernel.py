@@ -1,4 +1,5 @@
-"""The fused gated-delta step (`qfd::gated_delta_step`) and the split attention-values product.
+"""The fused gated-delta step (`qfd::gated_delta_step`, and `qfd::gated_delta_conv_step` with the
+conv, SiLU, q/k normalisation and gates folded in) and the split attention-values product.
 
 On CI (no Triton) the op runs its torch reference: these tests check the op's in-place contract
 (start, history, state) and that GDNState gives the same results through it. The Triton kernel
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from qfd.kernels import gdn_triton, runs_on
-from qfd.models.gdn import prepare_qk, recurrent_gated_delta
+from qfd.models.gdn import conv_and_gates, prepare_qk, recurrent_gated_delta
 from qfd.models.target import VALUE_CHUNK, weighted_values
 
 
@@ -57,13 +58,59 @@ def test_the_op_compiles_with_its_mutations():
     torch.testing.assert_close(start, state)
 
 
-@pytest.mark.skipif(
+needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
     reason="the Triton kernel needs Triton and a GPU, or TRITON_INTERPRET=1 (not on CI)",
 )
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@needs_triton
 def test_kernel_matches_the_torch_recurrence():
-    assert runs_on(torch.zeros(1, device="cuda" if torch.cuda.is_available() else "cpu"))
-    check_step("cuda" if torch.cuda.is_available() else "cpu")
+    assert runs_on(torch.zeros(1, device=KERNEL_DEVICE))
+    check_step(KERNEL_DEVICE)
+
+
+def conv_step_inputs(dtype, device, B=2, T=5, k_heads=2, dk=32, H=4, dv=48, kc=4, seed=0):
+    """Raw layer inputs; a and b are strided views of one projection output, as after fusion."""
+    torch.manual_seed(seed)
+    C = 2 * k_heads * dk + H * dv
+    window = torch.randn(B, C, kc - 1 + T).to(dtype)
+    conv_weight = (torch.randn(C, 1, kc) * 0.5).to(dtype)
+    ab = torch.randn(B, T, 2 * H + 3).to(dtype)
+    b, a = ab[..., :H], ab[..., H : 2 * H]
+    A_log, dt_bias = torch.randn(H).to(dtype), torch.randn(H).to(dtype)
+    state = torch.randn(B, H, dk, dv)
+    return [x.to(device) for x in (window, conv_weight, a, b, A_log, dt_bias, state)], (k_heads, dk, H, dv)
+
+
+def check_conv_step(device, dtype, tol):
+    (window, conv_weight, a, b, A_log, dt_bias, state), dims = conv_step_inputs(dtype, device)
+    B, C, W = window.shape
+    T = a.shape[1]
+    q, k, v, g, beta = conv_and_gates(window.cpu(), conv_weight.cpu(), a.cpu(), b.cpu(), A_log.cpu(), dt_bias.cpu(), dims, dtype)
+    expected_history = torch.zeros(B, 16, *state.shape[1:])
+    expected_out, expected_final = recurrent_gated_delta(q, k, v, g, beta, state.cpu(), history=expected_history)
+    live, start = state.clone(), torch.zeros_like(state)
+    history = torch.zeros(B, 16, *state.shape[1:], device=device)
+    conv_state = torch.zeros(B, C, conv_weight.shape[-1] - 1, dtype=dtype, device=device)
+    out = gdn_triton.gated_delta_conv_step(window, conv_weight, a, b, A_log, dt_bias, live, start, history, conv_state, dims[0])
+    torch.testing.assert_close(out.cpu(), expected_out, rtol=tol, atol=tol)
+    torch.testing.assert_close(live.cpu(), expected_final, rtol=tol, atol=tol)
+    torch.testing.assert_close(start, state)
+    torch.testing.assert_close(history[:, :T].cpu(), expected_history[:, :T], rtol=tol, atol=tol)
+    assert torch.equal(conv_state, window[..., W - conv_state.shape[-1] :])
+
+
+def test_the_conv_op_equals_conv_and_gates_then_the_recurrence():
+    check_conv_step("cpu", torch.float32, 1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_conv_kernel_matches_the_torch_layer_math(dtype, tol):
+    """bf16: the kernel rounds where the module does (conv, SiLU, beta); sums differ in order."""
+    check_conv_step(KERNEL_DEVICE, dtype, tol)
 
 
 @pytest.mark.parametrize("S", [4 * VALUE_CHUNK, 5 * VALUE_CHUNK + 37])
@@ -72,3 +119,20 @@ def test_split_values_equal_the_single_product(S):
     probs = torch.rand(1, 2, 3, S).softmax(-1)
     v = torch.randn(1, 2, S, 16)
     torch.testing.assert_close(weighted_values(probs, v, split=True), probs @ v, rtol=1e-5, atol=1e-5)
+
+
+def test_a_kernel_that_fails_warns_once_then_uses_its_fallback(monkeypatch):
+    from qfd import kernels
+
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    calls = []
+
+    def broken():
+        calls.append("kernel")
+        raise RuntimeError("PTX too new")
+
+    with pytest.warns(RuntimeWarning, match="kernel demo failed"):
+        assert kernels.launch_or_fallback("demo", broken, lambda: "reference") == "reference"
+    assert kernels.launch_or_fallback("demo", broken, lambda: "reference") == "reference"
+    assert calls == ["kernel"]  # not retried
+    assert kernels.launch_or_fallback("other", lambda: "kernel", lambda: "reference") == "kernel"

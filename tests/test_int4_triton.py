@@ -98,3 +98,36 @@ def test_kernel_matches_the_reference(rows, symmetric, split_k):
     got = int4_triton.int4_matmul(x, packed, bias, config=config)
     torch.testing.assert_close(got, int4_triton.reference_matmul(x, packed, bias), rtol=1e-4, atol=1e-4)
     assert int(packed.counters.abs().sum()) == 0  # split-K leaves its counters at zero for the next launch
+
+
+@needs_triton
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("offset_sum", [False, True])
+@pytest.mark.parametrize("k,group,tiles,split_k", [(384, 128, 1, 1), (384, 128, 2, 2), (512, 256, 4, 1), (1024, 128, 2, 3)])
+def test_one_row_gemv_kernel_matches_the_reference(symmetric, offset_sum, k, group, tiles, split_k):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    qw = weight(72, k, group, symmetric)
+    packed = int4_triton.pack_for_triton(qw, device)
+    x = torch.randn(1, k, device=device)
+    bias = torch.randn(72, device=device)
+    config = int4_triton.KernelConfig(use_dot=False, block_n=32, split_k=split_k, tiles=tiles, offset_sum=offset_sum)
+    got = int4_triton.int4_matmul(x, packed, bias, config=config)
+    torch.testing.assert_close(got, int4_triton.reference_matmul(x, packed, bias), rtol=1e-4, atol=1e-4)
+    assert int(packed.counters.abs().sum()) == 0
+
+
+def test_pick_config_reads_the_gpus_tuned_table(tmp_path, monkeypatch):
+    monkeypatch.setattr(int4_triton, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(int4_triton, "_current_device_name", lambda index: "NVIDIA Test GPU")
+    int4_triton.tuned_configs.cache_clear()
+    entry = {"m": 1, "n": 512, "k": 256, "us": 3.0, "use_dot": False, "block_n": 128, "split_k": 2, "num_warps": 8, "num_stages": 3, "tiles": 2, "offset_sum": True}
+    int4_triton.tuned_file("NVIDIA Test GPU").write_text(__import__("json").dumps({"device": "NVIDIA Test GPU", "configs": [entry]}))
+    cuda = torch.device("cuda", 0)
+    try:
+        assert int4_triton.pick_config(1, 512, 256, cuda) == int4_triton.KernelConfig(use_dot=False, block_n=128, split_k=2, num_warps=8, num_stages=3, tiles=2, offset_sum=True)
+        # another shape, more rows, or a CPU tensor: the heuristic
+        assert int4_triton.pick_config(1, 1024, 256, cuda) == int4_triton.heuristic_config(1, 1024, 256)
+        assert int4_triton.pick_config(40, 512, 256, cuda) == int4_triton.heuristic_config(40, 512, 256)
+        assert int4_triton.pick_config(1, 512, 256, torch.device("cpu")) == int4_triton.heuristic_config(1, 512, 256)
+    finally:
+        int4_triton.tuned_configs.cache_clear()

@@ -7,6 +7,7 @@ a torch op whose fallback computes the same result in float32 torch where a kern
 from __future__ import annotations
 
 import os
+import warnings
 
 try:
     import triton
@@ -27,3 +28,21 @@ def interpreting() -> bool:
 def runs_on(x) -> bool:
     """True when a Triton kernel can take the tensor `x`: Triton, and a CUDA tensor or the interpreter."""
     return HAVE_TRITON and (x.is_cuda or interpreting())
+
+
+# Kernels first timed on one GPU / Triton version may not compile on another. Those that are
+# not yet measured on a GPU launch through `launch_or_fallback`: a failed compile or launch
+# warns once and that kernel's op uses its torch fallback from then on (slower, same results).
+_FAILED: set[str] = set()
+
+
+def launch_or_fallback(name: str, launch, fallback):
+    """`launch()`, or `fallback()` once kernel `name` has failed (warned once, at the failure).
+    Compilation errors raise before the launch touches any output, so the fallback starts clean."""
+    if name not in _FAILED:
+        try:
+            return launch()
+        except Exception as exc:  # triton's CompilationError / OutOfResources, or a driver error at launch
+            _FAILED.add(name)
+            warnings.warn(f"qfd: Triton kernel {name} failed on this GPU ({type(exc).__name__}: {str(exc)[:160]}); using its torch fallback", RuntimeWarning, stacklevel=2)
+    return fallback()

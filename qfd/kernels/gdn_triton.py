@@ -16,10 +16,19 @@ from __future__ import annotations
 
 import torch
 
-from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
+from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
 
 
 if _HAVE_TRITON:
+
+    @triton.jit
+    def _delta_rule(state, q_t, k_t, v_t, decay, beta):
+        """One token of the gated delta rule on a [DK, BV] state slice: (new state, output [BV])."""
+        state = state * decay
+        predicted = tl.sum(k_t[:, None] * state, axis=0)  # [BV]
+        delta = (v_t - predicted) * beta
+        state = state + k_t[:, None] * delta[None, :]
+        return state, tl.sum(q_t[:, None] * state, axis=0)
 
     @triton.jit
     def _gated_delta_kernel(
@@ -46,15 +55,135 @@ if _HAVE_TRITON:
             v_t = tl.load(v_ptr + row * DV + offs_v, mask=v_mask, other=0.0)
             decay = tl.exp(tl.load(g_ptr + row))
             beta = tl.load(b_ptr + row)
-            state = state * decay
-            predicted = tl.sum(k_t[:, None] * state, axis=0)  # [BV]
-            delta = (v_t - predicted) * beta
-            state = state + k_t[:, None] * delta[None, :]
-            out = tl.sum(q_t[:, None] * state, axis=0)
+            state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
             tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
             hist_off = ((b * HIST_T + t) * H + h) * DK * DV
             tl.store(hist_ptr + hist_off + tile, state, mask=tile_mask)
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
+
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _conv_silu(win_ptr, cw_ptr, chan, chan_mask, t, W, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr):
+        """SiLU(depthwise conv) at token t for channels `chan`: sum_i w[c, i] * window[c, t + i],
+        rounded to the window's dtype after the conv and after the SiLU (as the torch module)."""
+        taps = tl.arange(0, KCP)
+        tap_mask = chan_mask[:, None] & (taps < KC)[None, :]
+        w = tl.load(cw_ptr + chan[:, None] * KC + taps[None, :], mask=tap_mask, other=0.0).to(tl.float32)
+        x = tl.load(win_ptr + chan[:, None] * W + t + taps[None, :], mask=tap_mask, other=0.0).to(tl.float32)
+        y = tl.sum(w * x, axis=1)
+        if ROUND:
+            y = y.to(win_ptr.dtype.element_ty).to(tl.float32)
+        y = y * tl.sigmoid(y)
+        if ROUND:
+            y = y.to(win_ptr.dtype.element_ty).to(tl.float32)
+        return y
+
+    @triton.jit
+    def _gated_delta_conv_kernel(
+        win_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, start_ptr, hist_ptr, conv_ptr,
+        T, H, DV, HIST_T, C, W, KD, REP, scale, AB_ROW,
+        DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr,
+    ):
+        """`_gated_delta_kernel` computing its own inputs: program (batch*head, dv block) reads
+        the conv window [B, C, W = KC-1+T] (channels: q [0, KD), k [KD, 2KD), v [2KD, C)),
+        conv weights [C, KC], raw a/b [B, T, H] (rows AB_ROW apart: views of the fused
+        projection's output), A_log/dt_bias [H]; value head h reads key
+        head h // REP. It also writes the new conv state [B, C, KC-1] (the window's last KC-1
+        columns) for its v channels, and for its key head's q/k channels when it is the first
+        program of that key head."""
+        bh = tl.program_id(0)
+        vb = tl.program_id(1)
+        b, h = bh // H, bh % H
+        kh = h // REP
+        offs_k = tl.arange(0, DK)
+        offs_v = vb * BV + tl.arange(0, BV)
+        v_mask = offs_v < DV
+        k_mask = offs_k < DK
+        tile = offs_k[:, None] * DV + offs_v[None, :]
+        tile_mask = k_mask[:, None] & v_mask[None, :]
+        win = win_ptr + b * C * W
+        c_q = kh * DK + offs_k
+        c_k = KD + kh * DK + offs_k
+        c_v = 2 * KD + h * DV + offs_v
+        neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+        state_off = bh * DK * DV
+        state = tl.load(s_ptr + state_off + tile, mask=tile_mask, other=0.0)
+        tl.store(start_ptr + state_off + tile, state, mask=tile_mask)
+        for t in range(T):
+            q_t = _conv_silu(win, cw_ptr, c_q, k_mask, t, W, KC, KCP, ROUND)
+            k_t = _conv_silu(win, cw_ptr, c_k, k_mask, t, W, KC, KCP, ROUND)
+            v_t = _conv_silu(win, cw_ptr, c_v, v_mask, t, W, KC, KCP, ROUND)
+            q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=0) + 1e-6) * scale  # prepare_qk
+            k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=0) + 1e-6)
+            row = (b * T + t) * H + h
+            ab = (b * T + t) * AB_ROW + h
+            a_t = tl.load(a_ptr + ab).to(tl.float32) + dt_bias
+            softplus = tl.where(a_t > 20.0, a_t, tl.log(1.0 + tl.exp(tl.minimum(a_t, 20.0))))  # F.softplus's threshold
+            decay = tl.exp(neg_a * softplus)
+            beta = tl.sigmoid(tl.load(b_ptr + ab).to(tl.float32))
+            if ROUND:
+                beta = beta.to(b_ptr.dtype.element_ty).to(tl.float32)
+            state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
+            tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
+            hist_off = ((b * HIST_T + t) * H + h) * DK * DV
+            tl.store(hist_ptr + hist_off + tile, state, mask=tile_mask)
+        tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
+        # the conv state after the step: the window's last KC-1 columns
+        taps = tl.arange(0, KCP)
+        keep = (taps < KC - 1)[None, :]
+        conv = conv_ptr + b * C * (KC - 1)
+        tl.store(conv + c_v[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_v[:, None] * W + T + taps[None, :], mask=v_mask[:, None] & keep), mask=v_mask[:, None] & keep)
+        if (h % REP == 0) & (vb == 0):
+            qk_mask = k_mask[:, None] & keep
+            tl.store(conv + c_q[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_q[:, None] * W + T + taps[None, :], mask=qk_mask), mask=qk_mask)
+            tl.store(conv + c_k[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_k[:, None] * W + T + taps[None, :], mask=qk_mask), mask=qk_mask)
+
+
+@torch.library.custom_op("qfd::gated_delta_conv_step", mutates_args=("state", "start", "history", "conv_state"))
+def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                          state: torch.Tensor, start: torch.Tensor, history: torch.Tensor, conv_state: torch.Tensor, k_heads: int) -> torch.Tensor:
+    """`gated_delta_step` from the layer's raw inputs: window [B, C, K-1+T] (conv state, then
+    the new tokens' q/k/v channels), conv_weight [C, 1, K], a, b [B, T, H], A_log, dt_bias [H]
+    (`qfd.models.gdn.conv_and_gates` computes the step's q/k/v/g/beta from them). Also writes
+    the new conv state (`conv_state` [B, C, K-1] <- the window's last K-1 columns). Returns
+    the output [B, T, H, dv] float32. Without a usable Triton: the torch reference."""
+    B, C, W = window.shape
+    T, H = a.shape[1], a.shape[2]
+    dk, dv = state.shape[-2], state.shape[-1]
+    kc = conv_weight.shape[-1]
+
+    def reference():  # conv and gates in torch, then the recurrence op (its kernel where it runs)
+        from qfd.models.gdn import conv_and_gates
+
+        q, k, v, g, beta = conv_and_gates(window, conv_weight, a, b, A_log, dt_bias, (k_heads, dk, H, dv), window.dtype)
+        out = gated_delta_step(q, k, v, g, beta, state, start, history)
+        conv_state.copy_(window[..., W - (kc - 1):])
+        return out
+
+    def launch():
+        out = torch.empty(B, T, H, dv, dtype=torch.float32, device=window.device)
+        a_, b_ = (a, b) if a.stride() == b.stride() and a.stride(2) == 1 and a.stride(0) == T * a.stride(1) else (a.contiguous(), b.contiguous())
+        block_v = 32
+        _gated_delta_conv_kernel[(B * H, triton.cdiv(dv, block_v))](
+            window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias,
+            out, state, start, history, conv_state,
+            T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, a_.stride(1),
+            DK=dk, BV=block_v, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, num_warps=4,
+        )
+        return out
+
+    if not runs_on(window):
+        return reference()
+    # not yet run on a GPU (tested under Triton's interpreter): guarded
+    return launch_or_fallback("gated_delta_conv_step", launch, reference)
+
+
+@gated_delta_conv_step.register_fake
+def _gated_delta_conv_step_fake(window, conv_weight, a, b, A_log, dt_bias, state, start, history, conv_state, k_heads):
+    return window.new_empty(a.shape[0], a.shape[1], a.shape[2], state.shape[-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("qfd::gated_delta_step", mutates_args=("state", "start", "history"))

@@ -23,8 +23,12 @@ per-output-tile counter; the last program of a tile sums the partials in split o
 
 from __future__ import annotations
 
+import functools
+import json
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -243,10 +247,105 @@ if _HAVE_TRITON:
                 tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next launch
 
 
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _int4_gemv_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+        N, K, KT,
+        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BN: tl.constexpr, TILES: tl.constexpr, SPLIT_K: tl.constexpr, OFFSET_SUM: tl.constexpr,
+    ):
+        """One row (decode): outputs [BN*pid_n, +BN) x the K steps of split pid_k, a step being
+        TILES whole K tiles (16*TILES contiguous packed rows: one [16*TILES, BN] load). Needs
+        GROUP % 128 == 0, so every packed row of a tile shares one scale.
+
+        Per weight: a shift and a mask-or give a float, one FMA accumulates it; group scales
+        multiply each step's partial sums, one reduction over rows at the end.
+        OFFSET_SUM=False: w = (2^23 + u) - (2^23 + z), exact q - z, as `_int4_mm_kernel`.
+        OFFSET_SUM=True: f = 1 + u/16 (the nibble placed at the top of the mantissa), no
+        subtract per weight; sum f x = X + (sum u x)/16 with X = sum x over the tile, so
+        y = 16 * sum s f x - sum_t s_t (16 + z_t) X_t. One ALU op less per weight, at the
+        cost of a cancellation (fp32 error ~1e-6 of sum |x|, far below bf16's rounding)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        R: tl.constexpr = 16 * TILES
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        offs_r = tl.arange(0, R)
+        row_tile = offs_r // 16  # which of the step's tiles a packed row belongs to
+        steps = tl.cdiv(KT, TILES)
+        per_split = tl.cdiv(steps, SPLIT_K)
+        s0 = pid_k * per_split
+        s1 = tl.minimum(s0 + per_split, steps)
+        acc = tl.zeros((R, BN), dtype=tl.float32)
+        corr = tl.zeros((BN,), dtype=tl.float32)
+        for step in range(s0, s1):
+            t_rows = step * TILES + row_tile  # [R] tile of each packed row
+            r_mask = t_rows < KT
+            words = tl.load(q_ptr + (step * R + offs_r)[:, None] * N + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0)
+            g_rows = t_rows * 128 // GROUP
+            s_rows = tl.load(s_ptr + g_rows[:, None] * N + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+            if not OFFSET_SUM:
+                if HAS_ZEROS:
+                    c = tl.load(z_ptr + g_rows[:, None] * N + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0).to(tl.float32) + 8388608.0
+                else:
+                    c = 8388616.0  # 2^23 + 8
+            part = tl.zeros((R, BN), dtype=tl.float32)
+            xsum = tl.zeros((R,), dtype=tl.float32)
+            for j in tl.static_range(8):
+                offs_k = t_rows * 128 + j * 16 + offs_r % 16
+                xj = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                if OFFSET_SUM:
+                    if 4 * j <= 19:
+                        placed = words << (19 - 4 * j)
+                    else:
+                        placed = words >> (4 * j - 19)
+                    f = ((placed & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + u/16
+                    xsum += xj
+                else:
+                    f = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - c
+                part += f * xj[:, None]
+            acc += part * s_rows
+            if OFFSET_SUM:
+                # the per-tile X_t and scales: [TILES] and [TILES, BN]
+                x_tiles = tl.sum(tl.reshape(xsum, (TILES, 16)), axis=1)
+                t_ids = step * TILES + tl.arange(0, TILES)
+                t_mask = (t_ids < KT)[:, None] & n_mask[None, :]
+                g_ids = t_ids * 128 // GROUP
+                s_t = tl.load(s_ptr + g_ids[:, None] * N + offs_n[None, :], mask=t_mask, other=0.0).to(tl.float32)
+                if HAS_ZEROS:
+                    z_t = tl.load(z_ptr + g_ids[:, None] * N + offs_n[None, :], mask=t_mask, other=0).to(tl.float32)
+                else:
+                    z_t = 8.0
+                corr += tl.sum(s_t * (16.0 + z_t) * x_tiles[:, None], axis=0)
+        out = tl.sum(acc, axis=0)
+        if OFFSET_SUM:
+            out = 16.0 * out - corr
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
+        else:
+            tl.store(ws_ptr + pid_k * N + offs_n, out, mask=n_mask)
+            tl.debug_barrier()  # all threads' partial stores precede the release below
+            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # last split of this tile: reduce in split order
+                total = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+                for sk in range(1, SPLIT_K):
+                    total += tl.load(ws_ptr + sk * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                tl.store(y_ptr + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
+                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch parameters. use_dot: tensor-core path (BM rows per program, BM >= 16) vs the
-    CUDA-core GEMV path (one row per program)."""
+    CUDA-core path (one row per program). tiles > 0 (one row, group a multiple of 128):
+    `_int4_gemv_kernel` with that many K tiles per loop step, offset_sum its arithmetic."""
 
     use_dot: bool
     block_n: int
@@ -254,13 +353,55 @@ class KernelConfig:
     num_warps: int = 4
     block_m: int = 16
     num_stages: int = 1
+    tiles: int = 0
+    offset_sum: bool = False
 
 
-def pick_config(m: int, n: int, k: int) -> KernelConfig:
-    """Launch config for an M x K @ K x N product, read off the H200 sweep of
-    bench/bench_int4_kernels.py --sweep at Qwen3.5-4B's shapes (docs/benchmarks.md, 2026-12-04
-    fifth session): one row - 64 outputs per program, K split 8 ways; 16 rows - 128/64/32
-    outputs per program for N >= 4096 / >= 2048 / below, K split 4 / 8 / 8, two pipeline stages."""
+# Tuned launch configs per GPU model: qfd/kernels/tuned/<device name>.json, written by
+# `bench/bench_int4_kernels.py --sweep --write-tuned` on that GPU ({"device": ..., "configs":
+# [{"m": 1 | 16, "n": N, "k": K, <KernelConfig fields>}, ...]}). A product of 1 row looks up
+# m = 1, of 2-16 rows m = 16; shapes or GPUs without an entry use `heuristic_config`.
+TUNED_DIR = Path(__file__).with_name("tuned")
+
+
+def tuned_file(device_name: str) -> Path:
+    return TUNED_DIR / (re.sub(r"[^A-Za-z0-9._-]+", "_", device_name) + ".json")
+
+
+@functools.lru_cache(maxsize=None)
+def tuned_configs(device_name: str) -> dict[tuple[int, int, int], KernelConfig]:
+    """(m, n, k) -> KernelConfig from the device's tuned file ({} without one)."""
+    path = tuned_file(device_name)
+    if not path.is_file():
+        return {}
+    fields = set(KernelConfig.__dataclass_fields__)
+    table = {}
+    for entry in json.loads(path.read_text())["configs"]:
+        table[(entry["m"], entry["n"], entry["k"])] = KernelConfig(**{key: v for key, v in entry.items() if key in fields})
+    return table
+
+
+@functools.lru_cache(maxsize=None)
+def _current_device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> KernelConfig:
+    """Launch config for an M x K @ K x N product on `device`: the GPU's tuned entry for
+    (1 or 16 rows, N, K) when it has one, else `heuristic_config`."""
+    if device is not None and device.type == "cuda" and m <= 16:
+        tuned = tuned_configs(_current_device_name(device.index if device.index is not None else torch.cuda.current_device()))
+        cfg = tuned.get((1 if m == 1 else 16, n, k))
+        if cfg is not None:
+            return cfg
+    return heuristic_config(m, n, k)
+
+
+def heuristic_config(m: int, n: int, k: int) -> KernelConfig:
+    """Launch config read off the H200 sweep of bench/bench_int4_kernels.py --sweep at
+    Qwen3.5-4B's shapes (docs/benchmarks.md, 2026-12-04 fifth session; L2-hot weights): one
+    row - 64 outputs per program, K split 8 ways; 16 rows - 128/64/32 outputs per program for
+    N >= 4096 / >= 2048 / below, K split 4 / 8 / 8, two pipeline stages."""
     kt = -(-k // TILE_K)
     if m == 1:
         cfg = KernelConfig(use_dot=False, block_n=64, split_k=8)
@@ -271,7 +412,7 @@ def pick_config(m: int, n: int, k: int) -> KernelConfig:
     split = cfg.split_k
     while split > 1 and split > kt:  # every split needs at least one K tile
         split //= 2
-    return KernelConfig(use_dot=cfg.use_dot, block_n=cfg.block_n, split_k=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return replace(cfg, split_k=split)
 
 
 def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
@@ -289,7 +430,9 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    cfg = config or pick_config(m, n, k)
+    cfg = config or pick_config(m, n, k, x.device)
+    if cfg.tiles and m == 1 and packed.group_size % TILE_K == 0:
+        return _gemv(x2, packed, bias, cfg, y).reshape(*lead, n)
     bm = cfg.block_m if cfg.use_dot else 1
     grid_n = -(-n // cfg.block_n)
     grid_m = -(-m // bm)
@@ -306,6 +449,24 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y.reshape(*lead, n)
+
+
+def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, cfg: KernelConfig, y: torch.Tensor) -> torch.Tensor:
+    """One row through `_int4_gemv_kernel` into y [1, N]."""
+    n = packed.out_features
+    grid_n = -(-n // cfg.block_n)
+    steps = -(-(packed.qweight.shape[0] // 16) // cfg.tiles)
+    split = min(cfg.split_k, steps) if grid_n <= packed.counters.numel() else 1
+    ws = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    _int4_gemv_kernel[(grid_n, split)](
+        x, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
+        bias if bias is not None else packed.scales, y, ws, packed.counters,
+        n, packed.in_features, packed.qweight.shape[0] // 16,
+        GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
+        BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, OFFSET_SUM=cfg.offset_sum,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y
 
 
 # --------------------------------------------------------------------------- torch op

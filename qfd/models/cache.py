@@ -30,6 +30,9 @@ from qfd.models.gdn import chunked_gated_delta, recurrent_gated_delta
 # Decode / verify steps through the fused Triton kernel where it runs (CUDA); False = the torch
 # recurrence everywhere (bench_steps.py --reference-kernels flips it for a side-by-side run).
 FUSED_STEP = True
+# ... and with the conv, SiLU, q/k normalisation and gates folded into that kernel too (one
+# kernel per layer instead of ~9 between the projections; bench_steps.py --no-fused-conv).
+FUSED_CONV = True
 
 
 class GDNState:
@@ -67,6 +70,18 @@ class GDNState:
             self.recurrent.copy_(final)
         self.conv.copy_(window[..., window.shape[-1] - kernel_minus_1 :])
         return out
+
+    def takes_window(self, window: torch.Tensor) -> bool:
+        """Whether `advance_window` runs here: a decode / verify (T <= max_verify) on a device
+        where the fused kernel runs."""
+        T = window.shape[-1] - self.conv.shape[-1]
+        return T <= self.max_verify and FUSED_STEP and FUSED_CONV and runs_on(window)
+
+    def advance_window(self, window, conv_weight, a, b, A_log, dt_bias, k_heads: int) -> torch.Tensor:
+        """`advance` from the raw conv window and a/b projections (`qfd.models.gdn.conv_and_gates`
+        inside the kernel): one kernel also updates the conv state. Returns [B, T, H, dv] float32."""
+        self.window, self.steps, self.inputs = window, window.shape[-1] - self.conv.shape[-1], None
+        return gdn_triton.gated_delta_conv_step(window, conv_weight, a, b, A_log, dt_bias, self.recurrent, self.start, self.history, self.conv, k_heads)
 
     def rollback(self, keep: int) -> None:
         """Restore the state after the first `keep` tokens of the last forward (0 <= keep <= T)."""

@@ -167,14 +167,22 @@ class DrafterAttention(nn.Module):
         self.o_proj = Linear(cfg.num_attention_heads * d, h, bias=False)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # k/v as one linear, set by qfd.models.fuse for inference (q stays apart: the context
+        # append projects k/v only)
+        self.kv_proj: nn.Module | None = None
+        self.kv_sizes: tuple[int, ...] = ()
 
     def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [b, T, H] (context features or normed block states), positions [b or 1, T].
         Returns k, v: [b, kv_heads, T, d] (k normed and rotated)."""
         b, t, _ = x.shape
         d = self.cfg.head_dim
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, d)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, -1, d).transpose(1, 2)
+        if self.kv_proj is None:
+            k, v = self.k_proj(x), self.v_proj(x)
+        else:
+            k, v = torch.split(self.kv_proj(x), self.kv_sizes, dim=-1)
+        k = self.k_norm(k.view(b, t, -1, d)).transpose(1, 2)
+        v = v.view(b, t, -1, d).transpose(1, 2)
         cos, sin = rope_cos_sin(positions, d, self.cfg.rope_theta, k.dtype)
         return apply_rope(k, cos, sin), v
 
@@ -203,9 +211,16 @@ class DrafterMLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        # gate/up as one linear, set by qfd.models.fuse for inference
+        self.gate_up_proj: nn.Module | None = None
+        self.gate_up_sizes: tuple[int, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = torch.split(self.gate_up_proj(x), self.gate_up_sizes, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DrafterLayer(nn.Module):

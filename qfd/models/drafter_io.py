@@ -129,9 +129,11 @@ def save_drafter(drafter, directory: Path, dtype: torch.dtype | None = None) -> 
     save_config(hf_config_dict(drafter.cfg, dtype), directory)
 
 
-def load_drafter(directory: Path, device="cpu", dtype: torch.dtype = torch.float32, sliding_window: int | None | str = "config"):
+def load_drafter(directory: Path, device="cpu", dtype: torch.dtype = torch.float32, sliding_window: int | None | str = "config", fuse: bool = False):
     """A DFlashDrafter from a drafter directory. `sliding_window` overrides the saved window
-    (None = full attention) unless left at "config"."""
+    (None = full attention) unless left at "config". `fuse`: for inference, stack k/v and
+    gate/up into one linear each (`qfd.models.fuse`; off by default: training, SWA
+    conversion and GPTQ read the separate modules by name)."""
     from safetensors.torch import load_file
 
     from qfd.models.drafter import DFlashDrafter
@@ -146,7 +148,7 @@ def load_drafter(directory: Path, device="cpu", dtype: torch.dtype = torch.float
         # an INT4 drafter (`qfd draft quantize`): Int4Linear layers run the codes directly
         from qfd.quant.int4_load import load_int4_module
 
-        return _with_draft_vocab(load_int4_module(drafter, directory, device=device, dtype=dtype), directory)
+        return _fused(_with_draft_vocab(load_int4_module(drafter, directory, device=device, dtype=dtype), directory), fuse)
     state = {}
     for weight in model_dir.weight_files:
         state.update(load_file(str(weight)))
@@ -155,7 +157,15 @@ def load_drafter(directory: Path, device="cpu", dtype: torch.dtype = torch.float
     if missing or unexpected:
         raise QfdError(f"{directory}: drafter weights do not match its config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     drafter.load_state_dict(state)
-    return _with_draft_vocab(drafter.to(device=device, dtype=dtype).eval(), directory)
+    return _fused(_with_draft_vocab(drafter.to(device=device, dtype=dtype).eval(), directory), fuse)
+
+
+def _fused(drafter, fuse: bool):
+    if fuse:
+        from qfd.models.fuse import fuse_projections
+
+        fuse_projections(drafter)
+    return drafter
 
 
 def _with_draft_vocab(drafter, directory: Path):

@@ -93,6 +93,31 @@ def chunked_gated_delta(q, k, v, g, beta, state, chunk_size: int = 64):
     return out, state
 
 
+def conv_and_gates(window, conv_weight, a, b, A_log, dt_bias, dims: tuple[int, int, int, int], dtype):
+    """From the conv window and the a/b projections to the gated delta rule's inputs.
+
+    window [B, C, K-1+T] (the conv state then the T new tokens' q/k/v channels); conv_weight
+    [C, 1, K]; a, b [B, T, H]; dims (k heads, dk, v heads, dv). Depthwise conv + SiLU (rounded
+    to `dtype` as transformers' module does), split into heads, q/k repeated to the value heads
+    and prepared (`prepare_qk`), decay g = -exp(A_log) * softplus(a + dt_bias) and strength
+    beta = sigmoid(b). Returns q, k [B, T, H, dk] float32, v [B, T, H, dv], g [B, T, H]
+    float32, beta [B, T, H]."""
+    k_heads, dk, v_heads, dv = dims
+    B, T = a.shape[:2]
+    conv = F.silu(F.conv1d(window.to(conv_weight.dtype), conv_weight, groups=conv_weight.shape[0]))
+    conv = conv.to(dtype).transpose(1, 2)  # [B, T, C]
+    q, k, v = torch.split(conv, [k_heads * dk, k_heads * dk, v_heads * dv], dim=-1)
+    q, k = q.reshape(B, T, k_heads, dk), k.reshape(B, T, k_heads, dk)
+    v = v.reshape(B, T, v_heads, dv)
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    if v_heads > k_heads:
+        rep = v_heads // k_heads
+        q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+    q, k = prepare_qk(q, k)
+    return q, k, v, g, beta
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm(x) * w * SiLU(z) over the value-head dim (transformers' Qwen3_5RMSNormGated)."""
 
@@ -129,33 +154,34 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = Linear(cfg.hidden_size, self.value_dim, bias=False)
         self.in_proj_b = Linear(cfg.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = Linear(cfg.hidden_size, self.num_v_heads, bias=False)
+        # the four in_proj_* as one linear, set by qfd.models.fuse after loading (runtime only)
+        self.in_proj: nn.Module | None = None
+        self.in_proj_sizes: tuple[int, ...] = ()
 
     def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]. `state`: this layer's `GDNState` in the cache
         (updated in place, with what rollback needs recorded), or None for a fresh sequence."""
         B, T, _ = x.shape
-        mixed = self.in_proj_qkv(x).transpose(1, 2)  # [B, C, T]
+        if self.in_proj is None:
+            mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        else:
+            mixed, z, b, a = torch.split(self.in_proj(x), self.in_proj_sizes, dim=-1)
+        mixed = mixed.transpose(1, 2)  # [B, C, T]
         if state is None:
             window = F.pad(mixed, (self.kernel - 1, 0))
         else:
             window = torch.cat([state.conv.to(mixed.dtype), mixed], dim=-1)  # [B, C, K-1+T]
-        conv = F.silu(F.conv1d(window.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.conv_dim))
-        conv = conv.to(x.dtype).transpose(1, 2)  # [B, T, C]
-        q, k, v = torch.split(conv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(B, T, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(B, T, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        if self.num_v_heads > self.num_k_heads:
-            rep = self.num_v_heads // self.num_k_heads
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        q, k = prepare_qk(q, k)
-        if state is None:
-            zero = x.new_zeros(B, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
-            core, _ = chunked_gated_delta(q, k, v, g, beta, zero)
+        dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
+        if state is not None and state.takes_window(window):
+            # decode / verify on a GPU: conv, gates and recurrence in one kernel
+            core = state.advance_window(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias, self.num_k_heads)
         else:
-            core = state.advance(window, q, k, v, g, beta)
-        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
+            q, k, v, g, beta = conv_and_gates(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias, dims, x.dtype)
+            if state is None:
+                zero = x.new_zeros(B, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
+                core, _ = chunked_gated_delta(q, k, v, g, beta, zero)
+            else:
+                core = state.advance(window, q, k, v, g, beta)
+        z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
         core = self.norm(core.to(x.dtype), z)
         return self.out_proj(core.reshape(B, T, self.value_dim))

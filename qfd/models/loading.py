@@ -5,6 +5,8 @@ Qwen3.5 checkpoint (`Qwen3_5ForConditionalGeneration`) keeps its text model unde
 `model.language_model.*`: those names are mapped to `model.*`; the vision tower and the
 multi-token-prediction head are ignored. INT4 directories (compressed-tensors, AWQ, GPTQ)
 are read by `qfd.quant.formats.load_quantized` and their linears swapped for `Int4Linear`.
+Once loaded, same-input projections are fused for inference (`qfd.models.fuse`; `fuse=False` or
+QFD_FUSE=0 keeps transformers' module tree, e.g. for code that reads a layer's q_proj).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from qfd.checkpoint import ModelDir, resolve_model
 from qfd.errors import QfdError
+from qfd.models.fuse import fuse_projections
 from qfd.models.target import TargetConfig, TargetModel
 
 # Checkpoint name prefixes -> runtime names (None: ignored, not part of the text model).
@@ -44,8 +47,12 @@ def target_config(model_dir: ModelDir) -> TargetConfig:
     return TargetConfig.from_hf(model_dir.config, model_dir.family)
 
 
-def load_target(spec: str | Path | ModelDir, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *, tokenizer: bool = True) -> tuple[TargetModel, Any]:
-    """(TargetModel in eval mode on `device`, tokenizer or None when the directory has none)."""
+def load_target(spec: str | Path | ModelDir, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *, tokenizer: bool = True, fuse: bool = True, int4_head: bool = False) -> tuple[TargetModel, Any]:
+    """(TargetModel in eval mode on `device`, tokenizer or None when the directory has none).
+    `fuse`: stack same-input projections into one linear each (`qfd.models.fuse`; QFD_FUSE=0
+    turns it off too): fewer kernel launches per step, but no q_proj/gate_proj/... modules.
+    `int4_head` (`--int4-head`): RTN INT4 (group 128) of the LM head at load, `qfd.quant.head`:
+    fewer bytes per decode step, but a slightly different target (bench/bench_int4_head.py)."""
     model_dir = spec if isinstance(spec, ModelDir) else resolve_model(spec)
     cfg = target_config(model_dir)
     device = torch.device(device)
@@ -76,6 +83,12 @@ def load_target(spec: str | Path | ModelDir, device: str | torch.device = "cpu",
     model.to(device)
     model.reset_rope(device)
     model.eval().requires_grad_(False)
+    if fuse:
+        fuse_projections(model)
+    if int4_head:
+        from qfd.quant.head import quantize_head
+
+        quantize_head(model)
     return model, (load_tokenizer(model_dir) if tokenizer else None)
 
 

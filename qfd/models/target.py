@@ -3,6 +3,8 @@
 Module tree and parameter names mirror transformers' (`model.embed_tokens`,
 `model.layers.{i}.self_attn.{q,k,v,o}_proj`, `...mlp.{gate,up,down}_proj`, `...linear_attn.*`,
 `model.norm`, `lm_head`), so an HF state dict loads as-is and INT4 linears swap in by path.
+After loading, `qfd.models.fuse.fuse_projections` stacks the linears that read the same input
+(q/k/v, gate/up, Gated DeltaNet's in_proj_*) into one each; the forwards use those when set.
 
     model = TargetModel(TargetConfig.from_hf(config_json))
     cache = model.new_cache(max_len)          # static buffers, see qfd.models.cache
@@ -144,6 +146,9 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        # q/k/v as one linear, set by qfd.models.fuse after loading (runtime only)
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes: tuple[int, ...] = ()
         if cfg.family in ("qwen3", "qwen3_5"):
             zero_centered = cfg.family == "qwen3_5"
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, zero_centered)
@@ -154,13 +159,17 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache: TargetCache | None, layer: int, positions: torch.Tensor) -> torch.Tensor:
         """x: [B, T, hidden]; cos/sin: [T, rotary_dim]; positions: [T] absolute positions."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, -1)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = torch.split(self.qkv_proj(x), self.qkv_sizes, dim=-1)
+        q = q.view(B, T, self.heads, -1)
         gate = None
         if self.gated:
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(B, T, -1)
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.kv_heads, self.head_dim)
+        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope_math.apply_rope(q.transpose(1, 2), cos, sin)  # [B, heads, T, hd]
@@ -226,9 +235,16 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        # gate/up as one linear, set by qfd.models.fuse after loading (runtime only)
+        self.gate_up_proj: nn.Module | None = None
+        self.gate_up_sizes: tuple[int, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = torch.split(self.gate_up_proj(x), self.gate_up_sizes, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -34,8 +34,10 @@ from qfd.quant.types import QuantizedWeight
 # module docstring); on CUDA a 16-row verify block through tinygemm (~30 us at 9216x2560)
 # beats re-dequantizing the weight every call (H200, docs/benchmarks.md). The Triton kernel
 # tiles rows by 16 (6-19 us per 16-row tile at Qwen3.5-4B shapes) while dequantizing a weight
-# per call cost ~1 ms per linear (a 64-token INT4 prefill took 272 ms vs 47 ms in bf16): it
-# takes prompts up to 256 rows (not yet timed at 64-256 rows), longer ones dequantize.
+# per call cost ~1 ms per linear in torch (a 64-token INT4 prefill took 272 ms vs 47 ms in
+# bf16): it takes prompts up to 256 rows (not yet timed at 64-256 rows). Longer ones
+# dequantize with qfd's Triton dequant kernel (`qfd.kernels.int4_dequant`, one pass over the
+# codes, not yet timed on a GPU either: bench/bench_int4_dequant.py) and run cuBLAS.
 KERNEL_MAX_ROWS = {"cpu_int4": 8, "cuda_int4": 16, "triton": 256}
 CUDA_KERNELS = ("tinygemm", "triton")
 # Triton: at 16 rows (the verify) 113 us vs tinygemm's 203 us over Qwen3.5-4B's linears, at
@@ -134,25 +136,23 @@ class Int4Linear(nn.Module):
             self.register_buffer(f"triton_{name}", getattr(packed, name))
         self.mode = "triton"
 
-    def _triton_weight(self):
-        """The Triton layout, from the buffers (which follow `.to()`)."""
-        from qfd.kernels.int4_triton import TritonInt4Weight
-
-        return TritonInt4Weight(self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.group_size, self.in_features, self.out_features)
-
     def _triton_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         from qfd.kernels.int4_triton import int4_mm_op
 
         return int4_mm_op(x2, self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.bias, self.group_size, self.in_features)
+
+    def _triton_dequantized_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """w_hat.T [in, out] row-major in `dtype`, by qfd's dequant kernel (torch fallback off-GPU)."""
+        from qfd.kernels.int4_dequant import int4_dequant_op
+
+        return int4_dequant_op(self.triton_qweight, self.triton_scales, self.triton_zeros, self.group_size, self.in_features, dtype)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """w = (u - 8) * scale + zero, [out, in], from the kept nibbles (same formula as the kernel)."""
         if self.mode == "dequant":
             return self.weight_dense.to(dtype)
         if self.mode == "triton":
-            from qfd.kernels.int4_triton import dequantize_packed
-
-            return dequantize_packed(self._triton_weight(), dtype)
+            return self._triton_dequantized_t(dtype).t()
         u = torch.stack([self.nibbles >> 4, self.nibbles & 0xF], dim=-1).reshape(self.out_features, self.in_features)
         sz = self.scales_and_zeros.to(torch.float32)
         scale = sz[..., 0].t().repeat_interleave(self.group_size, 1)
@@ -165,6 +165,10 @@ class Int4Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         if x2.shape[0] > KERNEL_MAX_ROWS[self.mode]:
+            if self.mode == "triton":  # w_t [in, out] as the dequant kernel writes it, coalesced
+                w_t = self._triton_dequantized_t(self.dtype)
+                y = torch.addmm(self.bias, x2, w_t) if self.bias is not None else x2 @ w_t
+                return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
             w = self.dequantized_weight(self.dtype)
             return nn.functional.linear(x2, w, self.bias).reshape(*shape[:-1], self.out_features).to(x.dtype)
         if self.mode == "triton":
@@ -176,6 +180,44 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    @classmethod
+    def concatenated(cls, parts: "list[Int4Linear]") -> "Int4Linear | None":
+        """One Int4Linear computing the `parts`' outputs side by side (in order), for layers
+        that read the same input (qfd.models.fuse); None when they cannot share one: another
+        in_features / group size / dtype / device / mode, bias on some only, or a tinygemm
+        mode (its tile-packed `packed` buffer cannot be cut along the outputs). "dequant"
+        stacks `weight_dense` [out, in] along dim 0; "triton" its buffers along N, dim 1
+        (column n of each belongs to output n, see `pack_for_triton`): both exact."""
+        first = parts[0]
+        if first.mode not in ("dequant", "triton") or any((p.mode, p.in_features, p.group_size, p.dtype) != (first.mode, first.in_features, first.group_size, first.dtype) for p in parts):
+            return None
+        dims = {"bias": 0, "weight_dense": 0} if first.mode == "dequant" else {"bias": 0, "triton_qweight": 1, "triton_scales": 1, "triton_zeros": 1}
+        buffers = {}
+        for name, dim in dims.items():
+            values = [getattr(p, name) for p in parts]
+            if all(v is None for v in values):
+                buffers[name] = None
+                continue
+            if any(v is None for v in values):
+                return None  # bias on some parts only, or symmetric and zero-point parts
+            kept = [(v.dtype, v.device, v.shape[:dim] + v.shape[dim + 1 :]) for v in values]
+            if kept.count(kept[0]) != len(kept):
+                return None
+            buffers[name] = torch.cat(values, dim)
+        fused = cls.__new__(cls)  # no __init__: the parts are already quantized and packed
+        nn.Module.__init__(fused)
+        fused.out_features = sum(p.out_features for p in parts)
+        fused.in_features, fused.group_size, fused.dtype, fused.mode = first.in_features, first.group_size, first.dtype, first.mode
+        for name, value in buffers.items():
+            fused.register_buffer(name, value)
+        if first.mode == "triton":
+            # split-K tile counters count programs of one launch, not outputs: a fresh zeroed set
+            fused.register_buffer("triton_counters", torch.zeros_like(first.triton_counters))
+        probe = getattr(first, "weight", None)  # the loaders' dtype probe (int4_load.give_dtype_probe)
+        if isinstance(probe, torch.Tensor):
+            fused.register_buffer("weight", torch.empty(0, device=probe.device, dtype=probe.dtype), persistent=False)
+        return fused.train(first.training)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, mode={self.mode}"

@@ -52,6 +52,7 @@ class EvalConfig:
     draft_vocab: int | None = None  # the drafter's LM head over its N most frequent ids (None: all; qfd.draft_vocab)
     short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
     compile_steps: bool = False  # torch.compile the engine's fixed-shape steps (every system)
+    int4_head: bool = False  # RTN INT4 LM head at load for the target (not for a --baseline model; qfd.quant.head)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class System:
     drafter: str | None
     label: str
     quality: bool = True  # the implicit target-only latency baseline skips the quality tasks
+    int4_head: bool = False  # load_target(int4_head=True): the target's LM head in INT4
 
 
 def validate(cfg: EvalConfig) -> dict[str, Any]:
@@ -106,7 +108,9 @@ def validate(cfg: EvalConfig) -> dict[str, Any]:
         raise QfdError("--draft-vocab needs a drafter (--drafter); target-only decoding drafts nothing")
     if cfg.compile_steps and cfg.backend == "hf":
         raise QfdError("--compile applies to qfd's engine; drop --backend hf")
-    backend = resolve_backend(cfg.backend, needs_engine=cfg.drafter is not None or cfg.compile_steps)
+    if cfg.int4_head and cfg.backend == "hf":
+        raise QfdError("--int4-head applies to qfd's engine (load_target); drop --backend hf")
+    backend = resolve_backend(cfg.backend, needs_engine=cfg.drafter is not None or cfg.compile_steps or cfg.int4_head)
     plan["backend"] = backend
     quality = [t for t in cfg.tasks if t in QUALITY_TASKS]
     if quality:
@@ -146,12 +150,14 @@ def resolve_backend(name: str, needs_engine: bool) -> str:
 
 def systems(cfg: EvalConfig, plan: dict[str, Any]) -> list[System]:
     """The system under test and, when there is something to compare against, a baseline:
-    --baseline (BF16 target-only), else the target itself without its drafter."""
-    out = [System("system", str(plan["target"]), str(plan.get("drafter")) if cfg.drafter else None, "target + drafter" if cfg.drafter else "target")]
+    --baseline (BF16 target-only), else the target itself without its drafter. --int4-head
+    applies to the target (and so to its target-only baseline), never to a --baseline model."""
+    head = " (INT4 head)" if cfg.int4_head else ""
+    out = [System("system", str(plan["target"]), str(plan.get("drafter")) if cfg.drafter else None, ("target + drafter" if cfg.drafter else "target") + head, int4_head=cfg.int4_head)]
     if cfg.baseline:
         out.append(System("baseline", str(plan["baseline"]), None, "baseline (target-only)"))
     elif cfg.drafter and "latency" in cfg.tasks:
-        out.append(System("baseline", str(plan["target"]), None, "target-only", quality=False))
+        out.append(System("baseline", str(plan["target"]), None, "target-only" + head, quality=False, int4_head=cfg.int4_head))
     return out
 
 
@@ -260,12 +266,12 @@ def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: 
     from qfd.engine import Engine
     from qfd.models.loading import load_target
 
-    target, tokenizer = load_target(system.spec, device, dtype)
+    target, tokenizer = load_target(system.spec, device, dtype, int4_head=system.int4_head)
     drafter = None
     if system.drafter:
         from qfd.models.drafter import load_drafter
 
-        drafter = load_drafter(system.drafter, device, dtype)
+        drafter = load_drafter(system.drafter, device, dtype, fuse=True)
     if drafter is not None:  # "auto": timed here, with this system's engine settings
         from qfd.draft_len_auto import SAMPLE_TEXT, resolve_draft_len
 

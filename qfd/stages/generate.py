@@ -38,6 +38,7 @@ class GenerateConfig:
     draft_vocab: int | None = None  # drafter LM head over the N most frequent ids (None: all; qfd.draft_vocab)
     short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
     compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
+    int4_head: bool = False  # RTN INT4 LM head at load (load_target(int4_head), qfd.quant.head)
 
 
 @dataclass
@@ -205,9 +206,9 @@ def run(cfg: GenerateConfig, write: Callable[[str], None] | None = None) -> Deco
         from qfd.draft_vocab import check_draft_vocab
 
         check_draft_vocab(Path(cfg.drafter), cfg.draft_vocab)
-    model, tokenizer = load_target(model_dir, device, dtype)
+    model, tokenizer = load_target(model_dir, device, dtype, int4_head=cfg.int4_head)
     if cfg.drafter:
-        drafter = load_drafter(cfg.drafter, device, dtype)
+        drafter = load_drafter(cfg.drafter, device, dtype, fuse=True)
     if tokenizer is None:
         raise QfdError(f"{model_dir.path} has no tokenizer files; copy the tokenizer (tokenizer.json, tokenizer_config.json) into it")
     prompt_ids = encode_prompt(tokenizer, cfg.prompt, cfg.chat)

@@ -33,6 +33,7 @@ class ServeConfig:
     draft_vocab: int | None = None  # drafter LM head over the N most frequent ids (None: all; qfd.draft_vocab)
     short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
     compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
+    int4_head: bool = False  # RTN INT4 LM head at load (load_target(int4_head), qfd.quant.head)
 
 
 def is_loopback(host: str) -> bool:
@@ -90,14 +91,14 @@ def build(cfg: ServeConfig):
         check_draft_vocab(drafter_dir, cfg.draft_vocab)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    target, tokenizer = load_target(model_dir, device, dtype)
+    target, tokenizer = load_target(model_dir, device, dtype, int4_head=cfg.int4_head)
     if tokenizer is None:
         raise QfdError(f"{model_dir.path} has no tokenizer files; the server needs one (copy tokenizer.json / tokenizer_config.json into it)")
     drafter = None
     if drafter_dir is not None:
         from qfd.models.drafter import load_drafter
 
-        drafter = load_drafter(drafter_dir, device, dtype)
+        drafter = load_drafter(drafter_dir, device, dtype, fuse=True)
     max_len = cfg.max_len or target.config.max_position_embeddings
     if cfg.compile_steps:
         console.print("[dim]compiling the fixed-shape steps (torch.compile; the first start is slow)[/dim]", highlight=False)
@@ -161,6 +162,8 @@ def run_vllm(cfg: ServeConfig) -> None:
         raise QfdError("--draft-vocab applies to --engine qfd; vLLM's DFlash drafter uses the full LM head")
     if cfg.compile_steps:
         raise QfdError("--compile applies to --engine qfd; vLLM compiles on its own")
+    if cfg.int4_head:
+        raise QfdError("--int4-head applies to --engine qfd; vLLM loads the exported head as it is")
     if shutil.which("vllm") is None:
         raise QfdError("--engine vllm: vLLM is not installed here (no `vllm` on PATH); install it on a CUDA machine (pip install vllm), or use --engine qfd")
     target = resolve_model(cfg.target)
@@ -193,6 +196,7 @@ def run(cfg: ServeConfig) -> Path:
     vocab = f", draft vocabulary {engine.draft_vocab}" if engine.draft_vocab else ""
     vocab += ", short block" if engine.short_block else ""
     mode = f"speculative (DFlash, block {engine.block_size}, {engine.draft_len} drafts per step{vocab})" if engine.drafter is not None else "target-only"
+    mode += ", INT4 LM head" if cfg.int4_head else ""
     steps = ", CUDA graphs" if engine.cuda_graphs and engine.device.type == "cuda" else ""
     console.print(f"[bold green]qfd serve[/bold green] model [bold]{server.app.model_name}[/bold], {mode}, context {engine.max_len}{steps}, on http://{host}:{port}/v1", highlight=False)
     try:
