@@ -12,7 +12,7 @@ before 2026-12-05. Every Triton result is checked against the float32 reference 
 packed layout (max |error| / max |reference|).
 
 The shapes: every linear of a Qwen3.5-4B layer, the fused groups qfd runs (qfd.models.fuse:
-gate+up, GDN qkv+z+b+a, attention q+k+v) and the 248K-row LM head.
+gate+up, GDN qkv+z+b+a, attention q+k+v), the drafter's own and the 248K-row LM head.
 
     python bench/bench_int4_kernels.py [--rows 1,16] [--sweep] [--hot] [--out int4_kernels.json]
 
@@ -46,6 +46,8 @@ SHAPES = (
     ("attn q_proj (gated)", 8192, 2560), ("attn k/v_proj", 1024, 2560), ("attn o_proj", 2560, 4096),
     ("mlp gate/up_proj", 9216, 2560), ("mlp down_proj", 2560, 9216),
     ("fused gdn in_proj", 12352, 2560), ("fused attn qkv", 10240, 2560), ("fused mlp gate_up", 18432, 2560),
+    # the 5-layer DFlash drafter's own shapes (its q is 4096x2560, o/gate_up/down as the target's)
+    ("drafter kv (fused)", 2048, 2560), ("drafter fc (5 taps)", 2560, 12800),
     ("lm_head", 248320, 2560),
 )
 UNFUSED = 8  # the first SHAPES are the unfused layer's (summed as before)
@@ -169,6 +171,8 @@ def main() -> None:
             del packs, packed
         results["rows"].append(row)
         save()
+        if args.write_tuned is not None and args.sweep:
+            write_tuned(args.write_tuned, results)
         print(f"{name} m={m}: " + ", ".join(f"{key} {row[key]:.2f}" for key in ("bf16_us", "tinygemm_us", "triton_us", "triton_best_us") if key in row), flush=True)
 
     from rich.console import Console
@@ -207,12 +211,19 @@ def main() -> None:
     results["best_single"] = [{"m": m, "sum_us": total, **cfg} for m, cfg, total in best_single_configs(results["sweep"])]
     save()
     if args.write_tuned is not None and args.sweep:
-        path = Path(args.write_tuned) if args.write_tuned else int4_triton.tuned_file(results["device"])
-        entries = [{"m": r["m"], "n": r["n"], "k": r["k"], "us": round(r["triton_best_us"], 2), **r["triton_best_config"]}
-                   for r in results["rows"] if "triton_best_config" in r and r["m"] in (1, 16)]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"device": results["device"], "torch": results["torch"], "weights": results["weights"], "configs": entries}, indent=1) + "\n")
-        print(f"tuned configs for {results['device']}: {path} ({len(entries)} shapes)")
+        print(f"tuned configs for {results['device']}: {write_tuned(args.write_tuned, results)}")
+
+
+def write_tuned(where: str, results: dict) -> str:
+    """The sweep's best config per (rows, N, K) as the GPU's tuned table (`where`, or
+    int4_triton.tuned_file of the GPU when empty); rewritten after every shape, so a sweep cut
+    short by a time limit still leaves what it found."""
+    path = Path(where) if where else int4_triton.tuned_file(results["device"])
+    entries = [{"m": r["m"], "n": r["n"], "k": r["k"], "us": round(r["triton_best_us"], 2), **r["triton_best_config"]}
+               for r in results["rows"] if "triton_best_config" in r and r["m"] in (1, 16)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": results["device"], "torch": results["torch"], "weights": results["weights"], "configs": entries}, indent=1) + "\n")
+    return f"{path} ({len(entries)} shapes)"
 
 
 def best_single_configs(sweep: list[dict]):
