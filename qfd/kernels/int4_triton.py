@@ -151,6 +151,30 @@ def reference_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tens
 if _HAVE_TRITON:
 
     @triton.jit
+    def _write_out(out, out_m, offs_n, out_mask, n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, stride_ym, M, N, tile_id, pid_k,
+                   SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Store a program's fp32 tile `out` [rows, BN] (+ bias) into y. Split-K: write the partial
+        to the workspace, bump the tile's counter; the last split of the tile sums the partials
+        in split order (deterministic), writes y and resets the counter for the next launch."""
+        if SPLIT_K == 1:
+            if HAS_BIAS:
+                out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            ws_tile = ws_ptr + out_m[:, None] * N + offs_n[None, :]
+            tl.store(ws_tile + pid_k * M * N, out, mask=out_mask)
+            tl.debug_barrier()  # all threads' partial stores precede the release below
+            arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
+            if arrived == SPLIT_K - 1:  # last split of this tile: reduce in split order
+                total = tl.load(ws_tile, mask=out_mask, other=0.0, cache_modifier=".cg")
+                for sk in range(1, SPLIT_K):
+                    total += tl.load(ws_tile + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+                tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next launch
+
+    @triton.jit
     def _int4_mm_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, KT, stride_xm, stride_ym,
@@ -227,24 +251,8 @@ if _HAVE_TRITON:
             out = tl.sum(acc, axis=0)[None, :]  # [1, BN]
             out_m = pid_m + tl.arange(0, 1)
             out_mask = (out_m < M)[:, None] & n_mask[None, :]
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            ws_tile = ws_ptr + out_m[:, None] * N + offs_n[None, :]
-            tl.store(ws_tile + pid_k * M * N, out, mask=out_mask)
-            tl.debug_barrier()  # all threads' partial stores precede the release below
-            tile_id = pid_m * tl.num_programs(0) + pid_n
-            arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:  # last split of this tile: reduce in split order
-                total = tl.load(ws_tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-                for sk in range(1, SPLIT_K):
-                    total += tl.load(ws_tile + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next launch
+        _write_out(out, out_m, offs_n, out_mask, n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, stride_ym, M, N,
+                   pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
 
@@ -323,22 +331,9 @@ if _HAVE_TRITON:
         out = tl.sum(acc, axis=0)
         if OFFSET_SUM:
             out = 16.0 * out - corr
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=n_mask)
-        else:
-            tl.store(ws_ptr + pid_k * N + offs_n, out, mask=n_mask)
-            tl.debug_barrier()  # all threads' partial stores precede the release below
-            arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-            if arrived == SPLIT_K - 1:  # last split of this tile: reduce in split order
-                total = tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
-                for sk in range(1, SPLIT_K):
-                    total += tl.load(ws_ptr + sk * N + offs_n, mask=n_mask, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                tl.store(y_ptr + offs_n, total.to(y_ptr.dtype.element_ty), mask=n_mask)
-                tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next launch
+        row = tl.arange(0, 1)
+        _write_out(out[None, :], row, offs_n, (row < 1)[:, None] & n_mask[None, :], n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, 1, N,
+                   pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
 @dataclass(frozen=True)

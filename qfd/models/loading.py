@@ -51,7 +51,7 @@ def load_target(spec: str | Path | ModelDir, device: str | torch.device = "cpu",
     """(TargetModel in eval mode on `device`, tokenizer or None when the directory has none).
     `fuse`: stack same-input projections into one linear each (`qfd.models.fuse`; QFD_FUSE=0
     turns it off too): fewer kernel launches per step, but no q_proj/gate_proj/... modules.
-    `int4_head` (`--int4-head`): RTN INT4 (group 128) of the LM head at load, `qfd.quant.head`:
+    `int4_head` (`--int4-head`): RTN INT4 (group 128, else 64 / 32) of the LM head at load, `qfd.quant.head`:
     fewer bytes per decode step, but a slightly different target (bench/bench_int4_head.py)."""
     model_dir = spec if isinstance(spec, ModelDir) else resolve_model(spec)
     cfg = target_config(model_dir)

@@ -141,18 +141,14 @@ class Int4Linear(nn.Module):
 
         return int4_mm_op(x2, self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.bias, self.group_size, self.in_features)
 
-    def _triton_dequantized_t(self, dtype: torch.dtype) -> torch.Tensor:
-        """w_hat.T [in, out] row-major in `dtype`, by qfd's dequant kernel (torch fallback off-GPU)."""
-        from qfd.kernels.int4_dequant import int4_dequant_op
-
-        return int4_dequant_op(self.triton_qweight, self.triton_scales, self.triton_zeros, self.group_size, self.in_features, dtype)
-
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """w = (u - 8) * scale + zero, [out, in], from the kept nibbles (same formula as the kernel)."""
         if self.mode == "dequant":
             return self.weight_dense.to(dtype)
-        if self.mode == "triton":
-            return self._triton_dequantized_t(dtype).t()
+        if self.mode == "triton":  # qfd's dequant kernel writes w_hat.T [in, out] (coalesced); a view back
+            from qfd.kernels.int4_dequant import int4_dequant_op
+
+            return int4_dequant_op(self.triton_qweight, self.triton_scales, self.triton_zeros, self.group_size, self.in_features, dtype).t()
         u = torch.stack([self.nibbles >> 4, self.nibbles & 0xF], dim=-1).reshape(self.out_features, self.in_features)
         sz = self.scales_and_zeros.to(torch.float32)
         scale = sz[..., 0].t().repeat_interleave(self.group_size, 1)
@@ -165,10 +161,8 @@ class Int4Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         if x2.shape[0] > KERNEL_MAX_ROWS[self.mode]:
-            if self.mode == "triton":  # w_t [in, out] as the dequant kernel writes it, coalesced
-                w_t = self._triton_dequantized_t(self.dtype)
-                y = torch.addmm(self.bias, x2, w_t) if self.bias is not None else x2 @ w_t
-                return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+            # Triton mode: the dequant kernel's w_t [in, out] transposed back, a free view
+            # (F.linear over it is the same cuBLAS call as x @ w_t)
             w = self.dequantized_weight(self.dtype)
             return nn.functional.linear(x2, w, self.bias).reshape(*shape[:-1], self.out_features).to(x.dtype)
         if self.mode == "triton":
