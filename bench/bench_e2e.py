@@ -5,7 +5,7 @@ static cache + torch.compile on CUDA) as the outside anchor - side by side in on
     python bench/bench_e2e.py --target DIR --drafter DIR [--prompts test.jsonl] [--num 8]
         [--max-new-tokens 256] [--device cuda] [--hf-compile] [--no-hf] [--out e2e.json]
         [--few-shot K --shots train.jsonl] [--windows 256,1024] [--max-len 8192] [--draft-lens 4,8]
-        [--compile] [--draft-vocab 8192] [--int4-head]
+        [--compile] [--draft-vocab 8192] [--int4-head] [--trees 16,32,64]
 
 --few-shot K makes long prompts: K solved GSM8K train problems as earlier chat turns before
 each test question. --windows adds rows where the drafter sees only the last W context tokens
@@ -23,6 +23,9 @@ k + 1 slots it verifies instead of all B (Engine(short_block=True)): k+1/B of it
 from a block shape it was not trained on (tau shows what that costs; output stays lossless).
 --int4-head loads the target with its LM head in INT4 (load_target(int4_head=True),
 qfd.quant.head) for every qfd row; the transformers rows keep the checkpoint's head.
+--trees N[,N...] adds speculative rows that verify a draft tree of N tokens per step instead of
+the chain (Engine(tree_size=N), qfd.tree; attention-only targets such as the embedded model),
+each also with every --draft-lens k (the tree's depth limit), --draft-vocab and --short-block row.
 
 Prints a table (tokens/s, speedup over qfd's BF16 target-only eager and graphed paths, tau)
 and how many speculative outputs are identical to target-only greedy (bf16 kernels may flip
@@ -118,6 +121,7 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="also rows with the fixed-shape steps torch.compile'd before CUDA-graph capture")
     p.add_argument("--draft-vocab", default="", help="comma-separated draft vocabulary sizes N to add as speculative rows (each also at every --draft-lens k)")
     p.add_argument("--short-block", action="store_true", help="also each --draft-lens row with the drafter's block cut to its k + 1 used slots (Engine(short_block=True))")
+    p.add_argument("--trees", default="", help="comma-separated tree sizes N to add as speculative rows verifying a draft tree of N tokens (qfd.tree; also compiled with --compile)")
     p.add_argument("--int4-head", action="store_true", help="the target's LM head in INT4 (RTN g128) for the qfd rows (load_target(int4_head=True))")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
     args = p.parse_args()
@@ -171,14 +175,21 @@ def main() -> None:
     if args.compile:
         compiled_row(f"qfd + DFlash ({compiled})", drafter=drafter)
     shorts = [False, True] if args.short_block else [False]
+    trees = [int(t) for t in args.trees.split(",") if t]
+    for n in trees:  # trees over the whole block (k = B-1)
+        for label, graphed in modes:
+            add(f"qfd + DFlash, tree {n} ({label})", run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, tree_size=n), prompt_ids, args.max_new_tokens))
+        if args.compile:
+            compiled_row(f"qfd + DFlash, tree {n} ({compiled})", drafter=drafter, tree_size=n)
     for v in [None, *draft_vocabs]:
         for k in ([] if v is None else [None]) + draft_lens:
             for short in shorts if k is not None else [False]:
-                for label, graphed in modes:
-                    parts = [f"draft vocab {v}"] * (v is not None) + [f"draft length {k}"] * (k is not None) + ["short block"] * short
-                    name = f"qfd + DFlash, {', '.join(parts)} ({label})"
-                    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, draft_len=k, draft_vocab=v, short_block=short)
-                    add(name, run_engine(engine, prompt_ids, args.max_new_tokens))
+                for n in [0, *trees]:
+                    for label, graphed in modes:
+                        parts = [f"draft vocab {v}"] * (v is not None) + [f"draft length {k}"] * (k is not None) + ["short block"] * short + [f"tree {n}"] * (n > 0)
+                        name = f"qfd + DFlash, {', '.join(parts)} ({label})"
+                        engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, draft_len=k, draft_vocab=v, short_block=short, tree_size=n)
+                        add(name, run_engine(engine, prompt_ids, args.max_new_tokens))
     full_window = drafter.cfg
     for window in [int(w) for w in args.windows.split(",") if w]:
         drafter.cfg = replace(full_window, sliding_window=window)

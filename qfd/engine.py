@@ -22,6 +22,10 @@ a decode step, so k = B-1 is best. On a CPU a multi-token verify costs more than
 and a step pays off only when tau_k > (draft_k + verify_k) / decode;
 bench/bench_cpu_draft_len.py measures those costs per k.
 
+A draft tree (`tree_size` = N, CLI --tree; qfd.tree) verifies N tokens per step laid out as a
+tree of the drafter's best-scoring paths instead of one chain; the kept path's K/V are moved
+into place (attention-only targets).
+
 A draft vocabulary (`draft_vocab` = N, CLI --draft-vocab; qfd.draft_vocab) computes the
 drafter's logits over the N most frequent ids of its training data only, a cheaper LM head.
 Output is unchanged: every committed token is the target's (greedy: its argmax; sampling:
@@ -188,11 +192,35 @@ def check_draft_len(draft_len: int | None, block_size: int | None) -> int:
     return int(draft_len)
 
 
+def check_tree_flag(tree: int, drafter) -> None:
+    """--tree N, checked before any model loads (the model's layers are checked by the Engine)."""
+    if tree and not drafter:
+        raise QfdError("--tree needs a drafter (--drafter); target-only decoding drafts nothing")
+    if tree < 0 or tree == 1:
+        raise QfdError(f"--tree must be 0 (a chain) or at least 2 tokens (the last token and one draft); got {tree}")
+
+
+def check_tree(tree_size: int | None, tree_width: int, drafter, target) -> tuple[int, int]:
+    """(N, W) for tree verification, or (0, W) for a chain; a user error is one QfdError line."""
+    n = int(tree_size or 0)
+    if not n:
+        return 0, int(tree_width)
+    if drafter is None:
+        raise QfdError("--tree needs a drafter (--drafter); target-only decoding drafts nothing")
+    if not target.supports_tree:
+        raise QfdError("--tree needs an attention-only target: a Gated DeltaNet layer's state follows one sequence, not a tree's branches (use the chain: drop --tree)")
+    if n < 2:
+        raise QfdError(f"--tree must be at least 2 tokens (the last token and one draft); got {n}")
+    if not 1 <= tree_width <= 64:
+        raise QfdError(f"--tree-width must be in 1..64; got {tree_width}")
+    return n, int(tree_width)
+
+
 class Engine:
     """One target (+ optional DFlash drafter) with preallocated caches; `generate` serves one
     request at a time (a lock serialises callers)."""
 
-    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool | None = None, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor", draft_vocab: int | None = None, short_block: bool = False):
+    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool | None = None, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor", draft_vocab: int | None = None, short_block: bool = False, tree_size: int = 0, tree_width: int = 8):
         from qfd.draft_vocab import draft_head_for
 
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
@@ -201,11 +229,20 @@ class Engine:
         # drafts verified per step (k); 0 without a drafter. verify_len = k + 1 tokens per step.
         self.draft_len = check_draft_len(draft_len, self.block_size if drafter is not None else None)
         self.verify_len = self.draft_len + 1
+        # tree_size N > 0: verify a tree of N tokens per step instead of a chain of k + 1
+        # (qfd.tree): the best-scoring paths over each draft slot's top `tree_width` tokens.
+        self.tree_size, self.tree_width = check_tree(tree_size, tree_width, drafter, target)
+        if self.tree_size:
+            # a tree of N nodes is at most N - 1 drafts deep: the drafter's LM head need not
+            # score the slots below that
+            self.draft_len = min(self.draft_len, self.tree_size - 1)
         # short_block: the drafter runs only the k + 1 block slots whose drafts are verified
         # (drafter.draft's block_len), not all B - cheaper, but not the function it was trained
         # as; None: the whole block.
         self.short_block = bool(short_block) and drafter is not None
-        self.draft_block_len = self.verify_len if self.short_block else None
+        self.draft_block_len = self.draft_len + 1 if self.short_block else None
+        if self.tree_size:
+            self.verify_len = self.tree_size
         # The drafter's LM head: the target's, or with draft_vocab = N its rows of the N most
         # frequent ids of the drafter's training data (qfd.draft_vocab; load_drafter attaches
         # the counts), a contiguous copy made here once.
@@ -215,10 +252,10 @@ class Engine:
         self.tap_layers = tuple(drafter.cfg.target_layer_ids) if drafter is not None else ()
         self.device = target.model.embed_tokens.weight.device
         self.eos_ids = tuple(eos_ids) if eos_ids is not None else default_eos_ids(tokenizer)
-        # + block_size: the last verify of a budget may run past max_len (its tail is discarded).
+        # + block_size (or the tree's N): the last verify of a budget may run past max_len (its tail is discarded).
         # max_verify stays >= 16 whatever k is: prompts up to 16 tokens then take the same GDN
         # kernel (recurrent, not chunked) as in a target-only engine, so prefills match exactly.
-        self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.verify_len), static=static_cache)
+        self.cache = target.new_cache(self.max_len + max(self.block_size, self.verify_len), max_verify=max(16, self.verify_len), static=static_cache)
         self.draft_cache = drafter.new_cache(self.max_len + self.block_size) if drafter is not None else None
         # The step functions: with cuda_graphs (default: on a CUDA device) the fixed-size verify
         # (and decode) forwards, the drafter's block forward and its context append replay
@@ -240,13 +277,15 @@ class Engine:
             from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps
 
             if not self.cache.static:
-                self.cache = target.new_cache(self.max_len + self.block_size, max_verify=max(16, self.verify_len), static=True)
+                self.cache = target.new_cache(self.max_len + max(self.block_size, self.verify_len), max_verify=max(16, self.verify_len), static=True)
             compile_args = dict(compile=self.compile_steps, compile_backend=compile_backend)
-            self.forward = StaticTargetSteps(target, self.cache, sizes=sorted({1, self.verify_len}), tap_layers=self.tap_layers, **compile_args)
+            chain_sizes = {1} if self.tree_size else {1, self.verify_len}
+            self.forward = StaticTargetSteps(target, self.cache, sizes=sorted(chain_sizes), tap_layers=self.tap_layers, tree_size=self.tree_size, **compile_args)
             if drafter is not None:
-                self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=self.draft_head, num_drafts=self.draft_len, block_len=self.draft_block_len, **compile_args)
+                top_k = self.tree_width if self.tree_size else 0
+                self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=self.draft_head, num_drafts=self.draft_len, block_len=self.draft_block_len, top_k=top_k, **compile_args)
                 if self.draft_step.use_graphs:  # the CPU keeps the eager append: it projects only the n rows
-                    self.append_step = StaticAppendStep(drafter, self.draft_cache, rows=self.verify_len)
+                    self.append_step = StaticAppendStep(drafter, self.draft_cache, rows=self.draft_len + 1)
         self._lock = threading.Lock()
         self.on_step: Callable[[dict], None] | None = None  # test hook: called after every rollback
 
@@ -340,6 +379,8 @@ class _Run:
     def step(self) -> tuple[int, list[int]]:
         """One draft + verify step; returns (accepted drafts, committed tokens)."""
         e = self.e
+        if e.tree_size:
+            return self.tree_step()
         L, last = e.cache.length, self.tokens[-1]
         block = torch.tensor([[last]], device=e.device)
         drafts = block[0, 1:]
@@ -353,17 +394,46 @@ class _Run:
         verdict = verify(drafts, out.logits[0], self.params, None, self.generator)
         n = verdict.accepted
         e.cache.rollback(L + n + 1)
-        if e.drafter is not None:
+        return self.after_verify(n, verdict.tokens, out.taps[:, : n + 1] if e.drafter is not None else None, L)
+
+    def after_verify(self, n: int, tokens: list[int], taps: torch.Tensor | None, start: int) -> tuple[int, list[int]]:
+        """After a verify kept n drafts: the drafter's context gets the committed tokens' taps
+        (from position `start`), the stats count the step. Returns (n, committed tokens)."""
+        e = self.e
+        if taps is not None:
             if e.append_step is not None:
-                e.append_step(out.taps[:, : n + 1], L)
+                e.append_step(taps, start)
             else:
-                e.drafter.append_context(e.draft_cache, out.taps[:, : n + 1], L)
+                e.drafter.append_context(e.draft_cache, taps, start)
         self.stats.steps += 1
         for k in range(n):
             self.accepted_counts[k] += 1
         if e.on_step is not None:
-            e.on_step({"committed": self.prompt + self.tokens + verdict.tokens[:-1], "cache": e.cache, "draft_cache": e.draft_cache, "accepted": n})
-        return n, verdict.tokens
+            e.on_step({"committed": self.prompt + self.tokens + tokens[:-1], "cache": e.cache, "draft_cache": e.draft_cache, "accepted": n})
+        return n, tokens
+
+    def tree_step(self) -> tuple[int, list[int]]:
+        """As `step`, verifying a draft tree (qfd.tree) instead of a chain."""
+        from qfd.models.graphs import draft_candidates
+        from qfd.tree import build_tree, pad_tree, tree_inputs, walk_greedy, walk_sampling
+
+        e = self.e
+        L, last = e.cache.length, self.tokens[-1]
+        if e.draft_step is not None:
+            candidates, scores = e.draft_step(last, L)
+        else:
+            _, logits = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.draft_head, return_logits=True, num_drafts=e.draft_len, block_len=e.draft_block_len)
+            candidates, scores = draft_candidates(logits, e.tree_width, None)
+        tree = pad_tree(build_tree(last, candidates[0].cpu(), scores[0].cpu(), e.tree_size), e.tree_size)
+        ids, depths, ancestors = tree_inputs(tree, e.device)
+        out = e.forward.verify_tree(ids, e.cache, depths, ancestors, e.tap_layers)
+        if self.params.greedy:
+            verdict = walk_greedy(tree, out.logits[0].argmax(-1).tolist())
+        else:
+            verdict = walk_sampling(tree, target_probs(out.logits[0], self.params), self.generator)
+        e.cache.keep_tree_path(verdict.path)
+        taps = out.taps[:, torch.tensor(verdict.path, device=out.taps.device)]
+        return self.after_verify(verdict.accepted, verdict.tokens, taps, L)
 
     def commit(self, chunk: list[int]) -> str | None:
         """Apply budget, EOS and stop strings to a committed chunk; stream it; the finish reason

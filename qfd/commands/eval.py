@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_AUTO_HELP, DRAFT_VOCAB_HELP, INT4_HEAD_HELP, SHORT_BLOCK_HELP
+from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_AUTO_HELP, DRAFT_VOCAB_HELP, INT4_HEAD_HELP, SHORT_BLOCK_HELP, TREE_HELP
 
 TASKS_HELP = (
     "Tasks: mmlu-pro (5-shot chat, custom-extract, unweighted mean of 14 subjects; gate 0.621), "
@@ -47,6 +47,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         draft_len: Optional[str] = typer.Option(None, "--draft-len", help=DRAFT_LEN_AUTO_HELP, metavar="K|auto"),
         draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help=DRAFT_VOCAB_HELP),
         short_block: bool = typer.Option(False, "--short-block", help=SHORT_BLOCK_HELP),
+        tree: int = typer.Option(0, "--tree", help=TREE_HELP, metavar="N"),
         compile_steps: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
         int4_head: bool = typer.Option(False, "--int4-head", help=INT4_HEAD_HELP + " (the target only, not --baseline)"),
     ) -> None:
@@ -66,7 +67,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
             data_dir=data_dir, limit=limit, batch_size=batch_size, device=device, dtype=dtype, max_gen_toks=max_gen_toks,
             backend=backend, overwrite=overwrite, warmup=warmup, runs=runs,
             settings=tuple(s.strip() for s in settings.split(",") if s.strip()), lengths=lengths, scale=scale, prompts=prompts,
-            draft_len=parse_draft_len(draft_len), draft_vocab=draft_vocab, short_block=short_block, compile_steps=compile_steps, int4_head=int4_head,
+            draft_len=parse_draft_len(draft_len), draft_vocab=draft_vocab, short_block=short_block, tree=tree, compile_steps=compile_steps, int4_head=int4_head,
         )
         path = run(cfg)
         for table in summary_tables(path):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_AUTO_HELP, DRAFT_VOCAB_HELP, INT4_HEAD_HELP, SHORT_BLOCK_HELP
+from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_AUTO_HELP, DRAFT_VOCAB_HELP, INT4_HEAD_HELP, SHORT_BLOCK_HELP, TREE_HELP
 
 
 def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
@@ -27,6 +27,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         draft_len: str = typer.Option(None, "--draft-len", help=DRAFT_LEN_AUTO_HELP, metavar="K|auto"),
         draft_vocab: int = typer.Option(None, "--draft-vocab", help=DRAFT_VOCAB_HELP),
         short_block: bool = typer.Option(False, "--short-block", help=SHORT_BLOCK_HELP),
+        tree: int = typer.Option(0, "--tree", help=TREE_HELP, metavar="N"),
         compile_steps: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
         int4_head: bool = typer.Option(False, "--int4-head", help=INT4_HEAD_HELP),
     ) -> None:
@@ -34,4 +35,4 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         from qfd.draft_len_auto import parse_draft_len
         from qfd.stages.serve import ServeConfig, run
 
-        run(ServeConfig(target=target, drafter=drafter, host=host, port=port, api_key=api_key, device=device, dtype=dtype, allow_target_mismatch=allow_target_mismatch, max_len=max_len, model_name=model_name, engine=engine, export_dir=export_dir, draft_len=parse_draft_len(draft_len), draft_vocab=draft_vocab, short_block=short_block, compile_steps=compile_steps, int4_head=int4_head))
+        run(ServeConfig(target=target, drafter=drafter, host=host, port=port, api_key=api_key, device=device, dtype=dtype, allow_target_mismatch=allow_target_mismatch, max_len=max_len, model_name=model_name, engine=engine, export_dir=export_dir, draft_len=parse_draft_len(draft_len), draft_vocab=draft_vocab, short_block=short_block, tree=tree, compile_steps=compile_steps, int4_head=int4_head))

@@ -142,6 +142,23 @@ class TargetCache:
             state.rollback(keep)
         self.length = n
 
+    def keep_tree_path(self, path: list[int]) -> None:
+        """After a tree verify (qfd.tree): keep the tokens of tree nodes `path` (root first,
+        relative to the forward's first slot) as the sequence continuing the cache. Their K/V
+        move down to consecutive slots; a node's slot is never below its depth, so the gather
+        reads every source before any write can reach it. Attention-only caches."""
+        if self.gdn:
+            raise ValueError("a tree path cannot be kept in a cache with Gated DeltaNet layers")
+        start, n = self._last_start, len(path)
+        if not 1 <= n <= self.length - start:
+            raise ValueError(f"tree path of {n} nodes outside the last forward ({self.length - start} tokens)")
+        if list(path) != list(range(n)):
+            src = torch.tensor(path, device=next(iter(self.k.values())).device) + start
+            for buffers in (self.k, self.v):
+                for buf in buffers.values():
+                    buf[:, :, start : start + n] = buf.index_select(2, src)
+        self.length = start + n
+
     def reset(self) -> None:
         """Empty the cache for a new sequence (buffers are reused; GDN states zeroed)."""
         self.length = self._last_start = 0

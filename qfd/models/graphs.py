@@ -64,7 +64,7 @@ class StaticTargetSteps:
     live in static buffers that the next replay overwrites: consume them first.
     `compile`: torch.compile `forward_at` (see `compile_step`) before warm-up and capture."""
 
-    def __init__(self, model, cache, sizes: Sequence[int] = (1, 16), tap_layers: Sequence[int] = (), use_graphs: bool | None = None, compile: bool = False, compile_backend: str | Callable = "inductor"):
+    def __init__(self, model, cache, sizes: Sequence[int] = (1, 16), tap_layers: Sequence[int] = (), use_graphs: bool | None = None, compile: bool = False, compile_backend: str | Callable = "inductor", tree_size: int = 0):
         if not cache.static:
             raise ValueError("StaticTargetSteps needs a cache made with static=True (fixed attention shapes)")
         self.model, self.cache, self.tap_layers = model, cache, tuple(tap_layers)
@@ -75,14 +75,22 @@ class StaticTargetSteps:
         self.steps: dict[int, dict] = {}
         for size in sizes:
             self.steps[size] = self._capture(size, device)
+        # a tree verify of `tree_size` nodes (qfd.tree): its own step, with slots and ancestors
+        self.tree_step = self._capture(tree_size, device, tree=True) if tree_size else None
         cache.reset()  # warm-up and capture wrote garbage state; masked KV is harmless
 
-    def _capture(self, size: int, device) -> dict:
+    def _capture(self, size: int, device, tree: bool = False) -> dict:
         ids = torch.zeros(1, size, dtype=torch.long, device=device)
         positions = torch.arange(size, device=device)
         base = torch.arange(size, device=device)
         step = {"ids": ids, "positions": positions, "base": base, "graph": None}
-        run = lambda: self.step_fn(ids, self.cache, positions, self.tap_layers)  # noqa: E731
+        extra = ()
+        if tree:
+            step["slots"] = torch.arange(size, device=device)
+            step["ancestors"] = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+            extra = (False, step["slots"], step["ancestors"])
+        run = lambda: self.step_fn(ids, self.cache, positions, self.tap_layers, *extra)  # noqa: E731
+        step["run"] = run
         if not self.use_graphs:
             if self.compiled:
                 with torch.inference_mode():  # compile now (as __call__ runs it), not in the first request
@@ -103,9 +111,25 @@ class StaticTargetSteps:
         start = self.cache.begin(size)
         step["ids"].copy_(input_ids)
         torch.add(step["base"], start, out=step["positions"])
+        return self._run(step, size)
+
+    def verify_tree(self, input_ids: torch.Tensor, cache, depths: torch.Tensor, ancestors: torch.Tensor, tap_layers: Sequence[int] = ()) -> TargetOutput:
+        """`TargetModel.verify_tree` replayed: a tree of `tree_size` nodes over this cache."""
+        step = self.tree_step
+        size = input_ids.shape[1]
+        if step is None or step["ids"].shape[1] != size or cache is not self.cache or tuple(tap_layers) != self.tap_layers:
+            return self.model.verify_tree(input_ids, cache, depths, ancestors, tap_layers)
+        start = self.cache.begin(size)
+        step["ids"].copy_(input_ids)
+        torch.add(depths.to(step["positions"].device), start, out=step["positions"])
+        torch.add(step["base"], start, out=step["slots"])
+        step["ancestors"].copy_(ancestors)
+        return self._run(step, size)
+
+    def _run(self, step: dict, size: int) -> TargetOutput:
         if step["graph"] is None:
             with torch.inference_mode():  # as at capture / compile: a compiled step is guarded on it
-                out = self.step_fn(step["ids"], self.cache, step["positions"], self.tap_layers)
+                out = step["run"]()
         else:
             step["graph"].replay()
             out = step["out"]
@@ -126,7 +150,7 @@ class StaticDraftStep:
     over its N ids, the argmax mapped back through them.
     `compile`: torch.compile the block forward (see `compile_step`) before warm-up and capture."""
 
-    def __init__(self, drafter, cache, embed: Callable, head: Callable, use_graphs: bool | None = None, num_drafts: int | None = None, compile: bool = False, compile_backend: str | Callable = "inductor", block_len: int | None = None):
+    def __init__(self, drafter, cache, embed: Callable, head: Callable, use_graphs: bool | None = None, num_drafts: int | None = None, compile: bool = False, compile_backend: str | Callable = "inductor", block_len: int | None = None, top_k: int = 0):
         self.drafter, self.cache, self.embed, self.head = drafter, cache, embed, head
         cfg = drafter.cfg
         self.block_len, self.num_drafts = drafter.block_shape(block_len, num_drafts)  # slots run, drafts returned
@@ -137,6 +161,7 @@ class StaticDraftStep:
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.slots = torch.arange(self.window, device=device)
         self.block_offsets = torch.arange(self.block_len, device=device)
+        self.top_k = int(top_k)  # > 0: return each slot's top-k ids and log-probs (tree drafts)
         self.graph = None
         self.compiled = bool(compile)
         self.step_fn = compile_step(self._forward, compile_backend) if compile else self._forward
@@ -161,13 +186,17 @@ class StaticDraftStep:
             h = layer(h, positions, k_ctx, v_ctx, mask)
         hidden = d.norm(h[:, 1 : 1 + self.num_drafts])
         weight = getattr(self.head, "weight", None)
-        tokens = self.head(hidden.to(weight.dtype) if weight is not None else hidden).argmax(-1)
+        logits = self.head(hidden.to(weight.dtype) if weight is not None else hidden)
+        if self.top_k:
+            return draft_candidates(logits, self.top_k, self.head)
+        tokens = logits.argmax(-1)
         vocab_ids = getattr(self.head, "vocab_ids", None)  # a draft vocabulary (qfd.draft_vocab)
         return tokens if vocab_ids is None else self.head.to_vocab(tokens)
 
     @torch.inference_mode()
     def __call__(self, first_token: int, start_pos: int) -> torch.Tensor:
-        """Draft tokens [1, num_drafts] for the block at `start_pos` (cache.length >= start_pos)."""
+        """Draft tokens [1, num_drafts] for the block at `start_pos` (cache.length >= start_pos);
+        with top_k, (ids, log-probs), each [1, num_drafts, top_k]."""
         if self.cache.length < start_pos:
             raise ValueError(f"draft at {start_pos}: the cache holds only {self.cache.length} context positions")
         self.first.fill_(int(first_token))
@@ -176,6 +205,14 @@ class StaticDraftStep:
             return self.step_fn()
         self.graph.replay()
         return self.tokens
+
+
+def draft_candidates(logits: torch.Tensor, k: int, head: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafter logits [..., V] (or over a draft vocabulary's N ids) -> the top-k vocabulary ids
+    and their log-probabilities, best first: the candidates of a draft tree (qfd.tree)."""
+    scores, index = logits.float().log_softmax(-1).topk(k, dim=-1)
+    vocab_ids = getattr(head, "vocab_ids", None)
+    return (index if vocab_ids is None else head.to_vocab(index)), scores
 
 
 class StaticAppendStep:

@@ -156,8 +156,11 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, cache: TargetCache | None, layer: int, positions: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, hidden]; cos/sin: [T, rotary_dim]; positions: [T] absolute positions."""
+    def forward(self, x, cos, sin, cache: TargetCache | None, layer: int, positions: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [B, T, hidden]; cos/sin: [T, rotary_dim]; positions: [T] absolute positions.
+        tree: (slots [T], ancestors [T, T] bool) to verify a draft tree (qfd.tree): token i
+        writes its K/V at cache slot slots[i] (= slots[0] + i) and sees the context before
+        slots[0] plus the tree tokens j with ancestors[i, j]."""
         B, T, _ = x.shape
         if self.qkv_proj is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -178,14 +181,25 @@ class Attention(nn.Module):
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            keys, values = cache.write_kv(layer, k, v, positions)
+            keys, values = cache.write_kv(layer, k, v, positions if tree is None else tree[0])
             # a key is visible to a query when its position is not after the query's
             mask = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
+            if tree is not None:
+                mask = tree_visibility(keys.shape[2], *tree)
             out = grouped_attention(q, keys, values, mask)
         out = out.transpose(1, 2).reshape(B, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+
+def tree_visibility(num_keys: int, slots: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """[T, num_keys] bool for a tree verify: every key before slots[0] (the committed context)
+    and, among the T tree slots, each token's ancestors and itself. Built from tensors only
+    (no Python int of the step), so a CUDA graph can replay it at any start."""
+    rel = torch.arange(num_keys, device=slots.device) - slots[0]  # key slot relative to the tree
+    in_tree = (rel >= 0) & (rel < ancestors.shape[1])
+    return (rel < 0)[None, :] | (in_tree[None, :] & ancestors[:, rel.clamp(0, ancestors.shape[1] - 1)])
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -261,12 +275,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
 
-    def forward(self, h, cos, sin, cache: TargetCache | None, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, h, cos, sin, cache: TargetCache | None, positions: torch.Tensor, tree=None) -> torch.Tensor:
         x = self.input_layernorm(h)
         if self.kind == "linear_attention":
             x = self.linear_attn(x, None if cache is None else cache.gdn[self.index])
         else:
-            x = self.self_attn(x, cos, sin, cache, self.index, positions)
+            x = self.self_attn(x, cos, sin, cache, self.index, positions, tree)
         h = h + x
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -350,10 +364,34 @@ class TargetModel(nn.Module):
             cache.end(T)
         return out
 
-    def forward_at(self, input_ids: torch.Tensor, cache: TargetCache | None, positions: torch.Tensor, tap_layers: Sequence[int] = (), last_only: bool = False) -> TargetOutput:
+    @property
+    def supports_tree(self) -> bool:
+        """Tree verification needs every layer to be attention: a Gated DeltaNet layer's state
+        follows one sequence, not the branches of a tree."""
+        return all(layer.kind == "full_attention" for layer in self.model.layers)
+
+    def verify_tree(self, input_ids: torch.Tensor, cache: TargetCache, depths: torch.Tensor, ancestors: torch.Tensor, tap_layers: Sequence[int] = ()) -> TargetOutput:
+        """Verify a draft tree (qfd.tree.tree_inputs) continuing the cached sequence: node i at
+        position cache.length + depths[i], in cache slot cache.length + i, seeing the context
+        and its ancestors. The cache advances by N; `cache.keep_tree_path` then keeps one path."""
+        size = input_ids.shape[1]
+        start = cache.begin(size)
+        slots = torch.arange(start, start + size, device=input_ids.device)
+        out = self.forward_at(input_ids, cache, depths.to(slots.device) + start, tap_layers, False, slots, ancestors.to(slots.device))
+        cache.end(size)
+        return out
+
+    def forward_at(self, input_ids: torch.Tensor, cache: TargetCache | None, positions: torch.Tensor, tap_layers: Sequence[int] = (), last_only: bool = False, slots: torch.Tensor | None = None, ancestors: torch.Tensor | None = None) -> TargetOutput:
         """The forward at explicit `positions` [T], without the cache's length bookkeeping
         (the caller does cache.begin/end): the piece to torch.compile / CUDA-graph with a
-        static cache, where no Python int may change between steps."""
+        static cache, where no Python int may change between steps.
+        slots + ancestors: verify a draft tree (qfd.tree.tree_inputs; attention-only models):
+        token i at RoPE position positions[i], cache slot slots[i], seeing its ancestors."""
+        tree = None
+        if slots is not None:
+            if cache is None or not self.supports_tree:
+                raise ValueError("a tree verify needs a cache and an attention-only model")
+            tree = (slots, ancestors)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_math.cos_sin(self.model.inv_freq, positions, h.dtype)
         wanted = {int(layer): slot for slot, layer in enumerate(tap_layers)}
@@ -361,7 +399,7 @@ class TargetModel(nn.Module):
             raise ValueError(f"tap_layers {tuple(tap_layers)} must be distinct layer indices in [0, {len(self.model.layers)})")
         taps: list[torch.Tensor | None] = [None] * len(wanted)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, positions)
+            h = layer(h, cos, sin, cache, positions, tree)
             if layer.index in wanted:
                 taps[wanted[layer.index]] = h
         last = len(self.model.layers) - 1

@@ -51,6 +51,7 @@ class EvalConfig:
     draft_len: int | str | None = None  # drafts verified per step by the system's engine (None: B-1; "auto": measured, qfd.draft_len_auto)
     draft_vocab: int | None = None  # the drafter's LM head over its N most frequent ids (None: all; qfd.draft_vocab)
     short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
+    tree: int = 0  # > 0: verify a draft tree of that many tokens per step (Engine(tree_size), qfd.tree)
     compile_steps: bool = False  # torch.compile the engine's fixed-shape steps (every system)
     int4_head: bool = False  # RTN INT4 LM head at load for the target (not for a --baseline model; qfd.quant.head)
 
@@ -91,11 +92,12 @@ def validate(cfg: EvalConfig) -> dict[str, Any]:
             raise QfdError(f"drafter {drafter} is not a drafter directory (no config.json); pass the output of `qfd draft train`")
         plan["drafter"] = drafter.resolve()
         from qfd.draft_len_auto import check_draft_len_or_auto
-        from qfd.engine import check_short_block_flag
+        from qfd.engine import check_short_block_flag, check_tree_flag
         from qfd.models.drafter import read_drafter_config
 
         check_draft_len_or_auto(cfg.draft_len, drafter, read_drafter_config(drafter).block_size)
         check_short_block_flag(cfg.short_block, cfg.draft_len)
+        check_tree_flag(cfg.tree, cfg.drafter)
         from qfd.draft_vocab import check_draft_vocab, check_draft_vocab_flag
 
         check_draft_vocab_flag(cfg.draft_vocab, cfg.drafter)
@@ -104,6 +106,8 @@ def validate(cfg: EvalConfig) -> dict[str, Any]:
         raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
     elif cfg.short_block:
         raise QfdError("--short-block needs a drafter (--drafter) and --draft-len")
+    elif cfg.tree:
+        raise QfdError("--tree needs a drafter (--drafter); target-only decoding drafts nothing")
     elif cfg.draft_vocab is not None:
         raise QfdError("--draft-vocab needs a drafter (--drafter); target-only decoding drafts nothing")
     if cfg.compile_steps and cfg.backend == "hf":
@@ -188,7 +192,7 @@ def run(cfg: EvalConfig) -> Path:
         need_quality = [t for t in own_tasks if not (state / f"{system.role}-{t}.json").is_file()]
         need_latency = "latency" in cfg.tasks and not (state / f"{system.role}-latency.json").is_file()
         if need_quality or need_latency:
-            loaded = load_system(system, plan["backend"], device, dtype, max_len=_max_len(cfg, plan), draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block)
+            loaded = load_system(system, plan["backend"], device, dtype, max_len=_max_len(cfg, plan), draft_len=cfg.draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block, tree=cfg.tree)
             if loaded.engine is not None and loaded.engine.drafter is not None:  # the k it ran (e.g. chosen by "auto")
                 (state / f"{system.role}-draft-len.json").write_text(json.dumps(loaded.engine.draft_len))
             for task in need_quality:
@@ -252,7 +256,7 @@ class LoadedSystem:
         self.tokenizer, self.generator, self.timed, self.engine = tokenizer, generator, timed, engine
 
 
-def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: int, draft_len: int | str | None = None, compile_steps: bool = False, draft_vocab: int | None = None, short_block: bool = False) -> LoadedSystem:
+def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: int, draft_len: int | str | None = None, compile_steps: bool = False, draft_vocab: int | None = None, short_block: bool = False, tree: int = 0) -> LoadedSystem:
     from qfd.harness import EngineGenerator, HFGenerator
     from qfd.latency import engine_timed_generate, hf_timed_generate
 
@@ -279,7 +283,7 @@ def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: 
     # The engine preallocates its caches for max_len: no more than this run needs or the model has.
     # draft_len and draft_vocab concern the system with the drafter; baselines run target-only
     engine = Engine(target, tokenizer, drafter=drafter, max_len=min(max_len, int(target.config.max_position_embeddings)), draft_len=draft_len if drafter is not None else None, compile_steps=compile_steps,
-                    draft_vocab=draft_vocab if drafter is not None else None, short_block=short_block and drafter is not None)
+                    draft_vocab=draft_vocab if drafter is not None else None, short_block=short_block and drafter is not None, tree_size=tree if drafter is not None else 0)
     return LoadedSystem(tokenizer, EngineGenerator(engine, tokenizer), engine_timed_generate(engine, device), engine)
 
 

@@ -37,6 +37,7 @@ class GenerateConfig:
     draft_len: int | str | None = None  # drafts verified per step (None: the drafter's B-1; "auto": measured, qfd.draft_len_auto)
     draft_vocab: int | None = None  # drafter LM head over the N most frequent ids (None: all; qfd.draft_vocab)
     short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
+    tree: int = 0  # > 0: verify a draft tree of that many tokens per step (Engine(tree_size), qfd.tree)
     compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
     int4_head: bool = False  # RTN INT4 LM head at load (load_target(int4_head), qfd.quant.head)
 
@@ -79,9 +80,10 @@ def check_config(cfg: GenerateConfig) -> None:
     if isinstance(cfg.draft_len, int) and cfg.draft_len < 1:
         raise QfdError(f"--draft-len must be >= 1 (got {cfg.draft_len})")
     from qfd.draft_vocab import check_draft_vocab_flag
-    from qfd.engine import check_short_block_flag
+    from qfd.engine import check_short_block_flag, check_tree_flag
 
     check_short_block_flag(cfg.short_block, cfg.draft_len)
+    check_tree_flag(cfg.tree, cfg.drafter)
 
     check_draft_vocab_flag(cfg.draft_vocab, cfg.drafter)
 
@@ -243,7 +245,7 @@ def _run_engine(model, tokenizer, prompt_ids, cfg: GenerateConfig, stop_ids, wri
         from qfd.draft_len_auto import resolve_draft_len
 
         draft_len = resolve_draft_len(draft_len, model, tokenizer, drafter, Path(cfg.drafter), prompt_ids, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block)
-    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids, draft_len=draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block)
+    engine = Engine(model, tokenizer, drafter=drafter, max_len=len(prompt_ids) + cfg.max_new_tokens, eos_ids=stop_ids, draft_len=draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block, tree_size=cfg.tree)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed)
     result = engine.generate(prompt_ids, gen, on_tokens=lambda ids, text: write(text) if text else None)
     stats = result.stats

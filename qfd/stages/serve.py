@@ -32,6 +32,7 @@ class ServeConfig:
     draft_len: int | str | None = None  # drafts verified per step (None: the drafter's B-1; "auto": measured, qfd.draft_len_auto)
     draft_vocab: int | None = None  # drafter LM head over the N most frequent ids (None: all; qfd.draft_vocab)
     short_block: bool = False  # the drafter runs only the draft_len + 1 verified block slots (Engine(short_block))
+    tree: int = 0  # > 0: verify a draft tree of that many tokens per step (Engine(tree_size), qfd.tree)
     compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
     int4_head: bool = False  # RTN INT4 LM head at load (load_target(int4_head), qfd.quant.head)
 
@@ -56,9 +57,10 @@ def check_config(cfg: ServeConfig) -> None:
         raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
     if isinstance(cfg.draft_len, int) and cfg.draft_len < 1:
         raise QfdError(f"--draft-len must be >= 1 (got {cfg.draft_len})")
-    from qfd.engine import check_short_block_flag
+    from qfd.engine import check_short_block_flag, check_tree_flag
 
     check_short_block_flag(cfg.short_block, cfg.draft_len)
+    check_tree_flag(cfg.tree, cfg.drafter)
     from qfd.draft_vocab import check_draft_vocab_flag
 
     check_draft_vocab_flag(cfg.draft_vocab, cfg.drafter)
@@ -113,7 +115,7 @@ def build(cfg: ServeConfig):
         from qfd.draft_len_auto import SAMPLE_TEXT, resolve_draft_len
 
         draft_len = resolve_draft_len(draft_len, target, tokenizer, drafter, drafter_dir, tokenizer.encode(SAMPLE_TEXT), draft_vocab=cfg.draft_vocab, short_block=cfg.short_block, cuda_graphs=graphs)
-    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer), draft_len=draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block, cuda_graphs=graphs)
+    engine = Engine(target, tokenizer, drafter=drafter, max_len=max_len, eos_ids=stop_token_ids(model_dir, tokenizer), draft_len=draft_len, compile_steps=cfg.compile_steps, draft_vocab=cfg.draft_vocab, short_block=cfg.short_block, tree_size=cfg.tree, cuda_graphs=graphs)
     name = cfg.model_name or (cfg.target if not Path(cfg.target).expanduser().exists() else model_dir.path.name)
     if not is_loopback(cfg.host) and not cfg.api_key:
         console.print(f"[bold yellow]warning:[/bold yellow] serving on {cfg.host} without --api-key: anyone who can reach this port can use the model", highlight=False)
@@ -158,6 +160,8 @@ def run_vllm(cfg: ServeConfig) -> None:
         raise QfdError("--draft-len applies to --engine qfd; vLLM drafts the export's num_speculative_tokens")
     if cfg.short_block:
         raise QfdError("--short-block applies to --engine qfd; vLLM's DFlash drafter runs the whole block")
+    if cfg.tree:
+        raise QfdError("--tree applies to --engine qfd; vLLM's DFlash verifies a chain")
     if cfg.draft_vocab is not None:
         raise QfdError("--draft-vocab applies to --engine qfd; vLLM's DFlash drafter uses the full LM head")
     if cfg.compile_steps:
@@ -195,6 +199,7 @@ def run(cfg: ServeConfig) -> Path:
     engine = server.app.engine
     vocab = f", draft vocabulary {engine.draft_vocab}" if engine.draft_vocab else ""
     vocab += ", short block" if engine.short_block else ""
+    vocab += f", tree of {engine.tree_size}" if engine.tree_size else ""
     mode = f"speculative (DFlash, block {engine.block_size}, {engine.draft_len} drafts per step{vocab})" if engine.drafter is not None else "target-only"
     mode += ", INT4 LM head" if cfg.int4_head else ""
     steps = ", CUDA graphs" if engine.cuda_graphs and engine.device.type == "cuda" else ""
