@@ -103,8 +103,9 @@ class TargetCache:
     """Per-layer caches of a TargetModel. `k[i]`, `v[i]`: [B, kv_heads, max_len, head_dim] for
     attention layers; `gdn[i]`: GDNState for linear-attention layers. `length`: tokens held."""
 
-    def __init__(self, k: dict[int, torch.Tensor], v: dict[int, torch.Tensor], gdn: dict[int, GDNState], max_len: int, static: bool = False):
+    def __init__(self, k: dict[int, torch.Tensor], v: dict[int, torch.Tensor], gdn: dict[int, GDNState], max_len: int, static: bool = False, kv: torch.Tensor | None = None):
         self.k, self.v, self.gdn = k, v, gdn
+        self.kv = kv  # [2, attention layers, B, kv_heads, max_len, hd]: k and v are views of it
         self.max_len = max_len
         # static: attention always spans the whole buffer under a position mask (fixed shapes
         # for CUDA graphs); otherwise it spans only the filled prefix (faster in eager mode).
@@ -147,16 +148,15 @@ class TargetCache:
         relative to the forward's first slot) as the sequence continuing the cache. Their K/V
         move down to consecutive slots; a node's slot is never below its depth, so the gather
         reads every source before any write can reach it. Attention-only caches."""
-        if self.gdn:
-            raise ValueError("a tree path cannot be kept in a cache with Gated DeltaNet layers")
+        if self.gdn or self.kv is None:
+            raise ValueError("a tree path can be kept only in an attention-only cache from TargetModel.new_cache")
         start, n = self._last_start, len(path)
         if not 1 <= n <= self.length - start:
             raise ValueError(f"tree path of {n} nodes outside the last forward ({self.length - start} tokens)")
         if list(path) != list(range(n)):
-            src = torch.tensor(path, device=next(iter(self.k.values())).device) + start
-            for buffers in (self.k, self.v):
-                for buf in buffers.values():
-                    buf[:, :, start : start + n] = buf.index_select(2, src)
+            # every layer's K and V at once (views of self.kv): two kernels on a GPU
+            src = torch.tensor(path, device=self.kv.device) + start
+            self.kv[..., start : start + n, :] = self.kv.index_select(-2, src)
         self.length = start + n
 
     def reset(self) -> None:

@@ -339,15 +339,17 @@ class TargetModel(nn.Module):
         cfg, weight = self.config, self.model.embed_tokens.weight
         device, dtype = weight.device, weight.dtype
         k, v, gdn = {}, {}, {}
+        attention = [layer.index for layer in self.model.layers if layer.kind == "full_attention"]
+        # every attention layer's K and V are views of one buffer, so that keeping a tree's
+        # path (cache.keep_tree_path) moves all of them in one gather + one copy
+        kv = torch.zeros(2, len(attention), batch, cfg.num_key_value_heads, max_len, cfg.head_dim, dtype=dtype, device=device)
+        for slot, index in enumerate(attention):
+            k[index], v[index] = kv[0, slot], kv[1, slot]
         for layer in self.model.layers:
-            if layer.kind == "full_attention":
-                shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
-                k[layer.index] = torch.zeros(shape, dtype=dtype, device=device)
-                v[layer.index] = torch.zeros(shape, dtype=dtype, device=device)
-            else:
+            if layer.kind == "linear_attention":
                 la = layer.linear_attn
                 gdn[layer.index] = GDNState(batch, la.conv_dim, la.kernel, la.num_v_heads, la.head_k_dim, la.head_v_dim, max_verify, dtype, device)
-        return TargetCache(k, v, gdn, max_len, static=static)
+        return TargetCache(k, v, gdn, max_len, static=static, kv=kv)
 
     def forward(self, input_ids: torch.Tensor, cache: TargetCache | None = None, tap_layers: Sequence[int] = (), last_only: bool = False, positions: torch.Tensor | None = None) -> TargetOutput:
         """input_ids [B, T]. With a cache: the tokens continue the cached sequence at position
