@@ -134,6 +134,10 @@ class TargetCache:
         end = self._last_start + key.shape[2]
         return k_buf[:, :, :end], v_buf[:, :, :end]
 
+    def key_count(self, steps: int) -> int:
+        """How many key slots a forward of `steps` tokens attends over (what write_kv returns)."""
+        return self.max_len if self.static else self._last_start + steps
+
     def rollback(self, n: int) -> None:
         """Keep the first n tokens. n must lie within the last forward: length before it <= n <= length."""
         if not self._last_start <= n <= self.length:

@@ -158,9 +158,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: TargetCache | None, layer: int, positions: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [B, T, hidden]; cos/sin: [T, rotary_dim]; positions: [T] absolute positions.
-        tree: (slots [T], ancestors [T, T] bool) to verify a draft tree (qfd.tree): token i
-        writes its K/V at cache slot slots[i] (= slots[0] + i) and sees the context before
-        slots[0] plus the tree tokens j with ancestors[i, j]."""
+        tree: (slots [T], visible [T, keys] bool) to verify a draft tree (qfd.tree): token i
+        writes its K/V at cache slot slots[i] and attends to the keys visible[i] marks
+        (`tree_visibility`, computed once per forward)."""
         B, T, _ = x.shape
         if self.qkv_proj is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -182,10 +182,11 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             keys, values = cache.write_kv(layer, k, v, positions if tree is None else tree[0])
-            # a key is visible to a query when its position is not after the query's
-            mask = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
-            if tree is not None:
-                mask = tree_visibility(keys.shape[2], *tree)
+            if tree is None:
+                # a key is visible to a query when its position is not after the query's
+                mask = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
+            else:
+                mask = tree[1]
             out = grouped_attention(q, keys, values, mask)
         out = out.transpose(1, 2).reshape(B, T, -1)
         if gate is not None:
@@ -393,7 +394,7 @@ class TargetModel(nn.Module):
         if slots is not None:
             if cache is None or not self.supports_tree:
                 raise ValueError("a tree verify needs a cache and an attention-only model")
-            tree = (slots, ancestors)
+            tree = (slots, tree_visibility(cache.key_count(input_ids.shape[1]), slots, ancestors))
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_math.cos_sin(self.model.inv_freq, positions, h.dtype)
         wanted = {int(layer): slot for slot, layer in enumerate(tap_layers)}
