@@ -193,3 +193,34 @@ def test_compiled_tree_engine_is_token_identical_and_compiles_once(llama, tiny_c
         assert engine.generate(ids, greedy(NEW)).tokens == Engine(llama, max_len=128).generate(ids, greedy(NEW)).tokens
     assert backend.frame_count == 3
     torch._dynamo.reset()
+
+
+# --- the CLI: --tree on generate, serve and eval --------------------------------------------------
+from tests.test_draft_vocab import _cli, _one_error_line, chat_drafters, engine_command  # noqa: E402,F401 (helpers, fixture)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "eval"])
+def test_cli_bad_tree_is_one_error_line(chat_drafters, capsys, command):
+    target, plain, _ = map(str, chat_drafters)
+    _one_error_line(*_cli([*engine_command(command, target), "--drafter", plain, "--tree", "1"], capsys)[::2], "--tree must be 0")
+    _one_error_line(*_cli([*engine_command(command, target), "--tree", "8"], capsys)[::2], "--tree needs a drafter")
+
+
+def test_cli_generate_and_serve_with_a_tree(chat_drafters, capsys):
+    from qfd.stages.serve import ServeConfig, build, run
+
+    target, plain, _ = map(str, chat_drafters)
+    argv = ["generate", "--target", target, "--prompt", "Hello", "--max-new-tokens", "12", "--device", "cpu"]
+    code, target_only, err = _cli(argv, capsys)
+    assert code == 0, err
+    code, out, err = _cli([*argv, "--drafter", plain, "--tree", "6"], capsys)
+    assert code == 0, err
+    assert out == target_only  # greedy: the target's text whatever the tree holds
+    server = build(ServeConfig(target=target, drafter=plain, port=0, device="cpu", max_len=64, tree=6))
+    try:
+        assert server.app.engine.tree_size == 6 and server.app.engine.verify_len == 6
+    finally:
+        server.app.worker.stop()
+        server.server_close()
+    with pytest.raises(Exception, match="--engine qfd"):
+        run(ServeConfig(target=target, drafter=plain, engine="vllm", tree=6))
