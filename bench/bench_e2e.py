@@ -24,7 +24,7 @@ from a block shape it was not trained on (tau shows what that costs; output stay
 --int4-head loads the target with its LM head in INT4 (load_target(int4_head=True),
 qfd.quant.head) for every qfd row; the transformers rows keep the checkpoint's head.
 --trees N[,N...] adds speculative rows that verify a draft tree of N tokens per step instead of
-the chain (Engine(tree_size=N), qfd.tree; attention-only targets such as the embedded model),
+the chain (Engine(tree_size=N), qfd.tree),
 each also with every --draft-lens k (the tree's depth limit), --draft-vocab and --short-block row.
 
 Prints a table (tokens/s, speedup over qfd's BF16 target-only eager and graphed paths, tau)

@@ -24,7 +24,7 @@ bench/bench_cpu_draft_len.py measures those costs per k.
 
 A draft tree (`tree_size` = N, CLI --tree; qfd.tree) verifies N tokens per step laid out as a
 tree of the drafter's best-scoring paths instead of one chain; the kept path's K/V are moved
-into place (attention-only targets).
+into place and a Gated DeltaNet layer keeps the state of the path's last node.
 
 A draft vocabulary (`draft_vocab` = N, CLI --draft-vocab; qfd.draft_vocab) computes the
 drafter's logits over the N most frequent ids of its training data only, a cheaper LM head.
@@ -200,15 +200,13 @@ def check_tree_flag(tree: int, drafter) -> None:
         raise QfdError(f"--tree must be 0 (a chain) or at least 2 tokens (the last token and one draft); got {tree}")
 
 
-def check_tree(tree_size: int | None, tree_width: int, drafter, target) -> tuple[int, int]:
+def check_tree(tree_size: int | None, tree_width: int, drafter) -> tuple[int, int]:
     """(N, W) for tree verification, or (0, W) for a chain; a user error is one QfdError line."""
     n = int(tree_size or 0)
     if not n:
         return 0, int(tree_width)
     if drafter is None:
         raise QfdError("--tree needs a drafter (--drafter); target-only decoding drafts nothing")
-    if not target.supports_tree:
-        raise QfdError("--tree needs an attention-only target: a Gated DeltaNet layer's state follows one sequence, not a tree's branches (use the chain: drop --tree)")
     if n < 2:
         raise QfdError(f"--tree must be at least 2 tokens (the last token and one draft); got {n}")
     if not 1 <= tree_width <= 64:
@@ -231,7 +229,7 @@ class Engine:
         self.verify_len = self.draft_len + 1
         # tree_size N > 0: verify a tree of N tokens per step instead of a chain of k + 1
         # (qfd.tree): the best-scoring paths over each draft slot's top `tree_width` tokens.
-        self.tree_size, self.tree_width = check_tree(tree_size, tree_width, drafter, target)
+        self.tree_size, self.tree_width = check_tree(tree_size, tree_width, drafter)
         if self.tree_size:
             # a tree of N nodes is at most N - 1 drafts deep: the drafter's LM head need not
             # score the slots below that

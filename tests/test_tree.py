@@ -1,7 +1,7 @@
 """Tree verification (qfd.tree): the tree is the best-scoring set of paths, a tree verify's
-logits at every node equal a plain forward over that node's path, the kept path leaves the
-cache as a fresh run would, and speculative output with a tree stays the target's (greedy:
-token for token; sampling: in distribution)."""
+logits at every node equal a plain forward over that node's path (attention and Gated
+DeltaNet), the kept path leaves the cache as a fresh run would, and speculative output with a
+tree stays the target's (greedy: token for token; sampling: in distribution)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,14 @@ NEW = 40
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_checkpoints):
+def targets(tiny_checkpoints):
     torch.set_num_threads(1)
-    return load_target(tiny_checkpoints["llama"], tokenizer=False)[0]
+    return {family: load_target(tiny_checkpoints[family], tokenizer=False)[0] for family in ("llama", "qwen3_5")}
+
+
+@pytest.fixture(scope="module")
+def llama(targets):
+    return targets["llama"]
 
 
 def path_ranks(tree: DraftTree, node: int) -> tuple[int, ...]:
@@ -70,41 +75,50 @@ def random_tree(size: int, seed: int = 0) -> DraftTree:
     return build_tree(int(candidates[0, 0]), candidates, scores, size)
 
 
+def assert_cache_holds(model, cache, seq):
+    """The cache after `seq` equals a fresh run's: attention K/V and Gated DeltaNet states."""
+    fresh = model.new_cache(64)
+    model(torch.tensor([seq]), fresh)
+    assert cache.length == len(seq)
+    for layer in cache.k:
+        torch.testing.assert_close(cache.k[layer][:, :, : len(seq)], fresh.k[layer][:, :, : len(seq)], atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.v[layer][:, :, : len(seq)], fresh.v[layer][:, :, : len(seq)], atol=1e-5, rtol=0)
+    for layer in cache.gdn:
+        torch.testing.assert_close(cache.gdn[layer].conv, fresh.gdn[layer].conv, atol=1e-5, rtol=0)
+        torch.testing.assert_close(cache.gdn[layer].recurrent, fresh.gdn[layer].recurrent, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 @pytest.mark.parametrize("fixed_shape", [False, True])
-def test_tree_verify_equals_a_forward_over_each_path(llama, fixed_shape):
+def test_tree_verify_equals_a_forward_over_each_path(targets, family, fixed_shape):
     """Node i's logits and taps equal those of a plain causal forward over prompt + its path;
     after keeping one path the cache holds what a fresh run over prompt + path holds."""
+    model = targets[family]
     prompt = prompt_ids(10)
     tree = random_tree(12)
     taps = (1, 3)
-    cache = llama.new_cache(64, static=fixed_shape)
-    llama(torch.tensor([prompt]), cache)
+    cache = model.new_cache(64, static=fixed_shape)
+    model(torch.tensor([prompt]), cache)
     ids, depths, ancestors = tree_inputs(tree)
     if fixed_shape:  # the code CUDA graphs replay, run eagerly
-        steps = StaticTargetSteps(llama, cache, sizes=(1,), tap_layers=taps, use_graphs=False, tree_size=tree.size)
+        steps = StaticTargetSteps(model, cache, sizes=(1,), tap_layers=taps, use_graphs=False, tree_size=tree.size)
         cache.reset()
-        llama(torch.tensor([prompt]), cache)
+        model(torch.tensor([prompt]), cache)
         out = steps.verify_tree(ids, cache, depths, ancestors, taps)
     else:
-        out = llama.verify_tree(ids, cache, depths, ancestors, taps)
+        out = model.verify_tree(ids, cache, depths, ancestors, taps)
     assert cache.length == len(prompt) + tree.size
     deepest = max(range(tree.size), key=lambda i: tree.depths[i])
     assert tree.depths[deepest] >= 3  # the check below covers a real branch
     with torch.no_grad():
         for node in range(tree.size):
             seq = prompt + [tree.tokens[i] for i in tree.path_to(node)]
-            ref = llama(torch.tensor([seq]), tap_layers=taps)
+            ref = model(torch.tensor([seq]), tap_layers=taps)
             torch.testing.assert_close(out.logits[0, node], ref.logits[0, -1], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(out.taps[0, node], ref.taps[0, -1], atol=1e-4, rtol=1e-4)
     path = tree.path_to(deepest)
     cache.keep_tree_path(path)
-    seq = prompt + [tree.tokens[i] for i in path]
-    assert cache.length == len(seq)
-    fresh = llama.new_cache(64)
-    llama(torch.tensor([seq]), fresh)
-    for layer in cache.k:
-        torch.testing.assert_close(cache.k[layer][:, :, : len(seq)], fresh.k[layer][:, :, : len(seq)], atol=1e-5, rtol=0)
-        torch.testing.assert_close(cache.v[layer][:, :, : len(seq)], fresh.v[layer][:, :, : len(seq)], atol=1e-5, rtol=0)
+    assert_cache_holds(model, cache, prompt + [tree.tokens[i] for i in path])
 
 
 class RunnerUpDrafter(OracleDrafter):
@@ -124,39 +138,46 @@ class RunnerUpDrafter(OracleDrafter):
 
 
 @pytest.fixture(scope="module")
-def reference(llama):
-    return Engine(llama, max_len=128).generate(prompt_ids(), greedy(NEW)).tokens
+def references(targets):
+    return {family: Engine(model, max_len=128).generate(prompt_ids(), greedy(NEW)).tokens for family, model in targets.items()}
 
 
+@pytest.fixture(scope="module")
+def reference(references):
+    return references["llama"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 @pytest.mark.parametrize("graphs", [False, True])
-def test_tree_output_equals_target_greedy(llama, tiny_checkpoints, reference, graphs):
-    drafter = make_drafter(tiny_checkpoints["llama"])
-    engine = Engine(llama, drafter=drafter, max_len=128, tree_size=16, cuda_graphs=graphs)
+def test_tree_output_equals_target_greedy(targets, tiny_checkpoints, references, family, graphs):
+    model = targets[family]
+    drafter = make_drafter(tiny_checkpoints[family])
+    engine = Engine(model, drafter=drafter, max_len=128, tree_size=16, cuda_graphs=graphs)
     checked = []
 
     def cache_matches_a_fresh_run(state):
-        committed, cache = state["committed"], state["cache"]
-        n = len(committed)
-        assert cache.length == state["draft_cache"].length == n
-        fresh = llama.new_cache(160)
-        llama(torch.tensor([committed]), fresh)
-        for layer in cache.k:
-            torch.testing.assert_close(cache.k[layer][:, :, :n], fresh.k[layer][:, :, :n], atol=1e-5, rtol=0)
-        checked.append(n)
+        assert state["draft_cache"].length == len(state["committed"])
+        assert_cache_holds(model, state["cache"], state["committed"])
+        checked.append(state["accepted"])
 
     engine.on_step = cache_matches_a_fresh_run
     result = engine.generate(prompt_ids(), greedy(NEW))
-    assert result.tokens == reference and len(checked) >= 3
+    assert result.tokens == references[family] and len(checked) >= 3
 
 
-def test_a_tree_accepts_the_runners_up_a_chain_misses(llama, reference):
-    chain = Engine(llama, drafter=RunnerUpDrafter(llama, prompt_ids()), max_len=128).generate(prompt_ids(), greedy(NEW))
-    tree = Engine(llama, drafter=RunnerUpDrafter(llama, prompt_ids()), max_len=128, tree_size=24, tree_width=2).generate(prompt_ids(), greedy(NEW))
-    assert chain.tokens == tree.tokens == reference
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_tree_accepts_the_runners_up_a_chain_misses(targets, references, family):
+    model = targets[family]
+    chain = Engine(model, drafter=RunnerUpDrafter(model, prompt_ids()), max_len=128).generate(prompt_ids(), greedy(NEW))
+    engine = Engine(model, drafter=RunnerUpDrafter(model, prompt_ids()), max_len=128, tree_size=24, tree_width=2)
+    engine.on_step = lambda state: assert_cache_holds(model, state["cache"], state["committed"])
+    tree = engine.generate(prompt_ids(), greedy(NEW))
+    assert chain.tokens == tree.tokens == references[family]
     assert chain.stats.tau == 1.0
     # log-probs: best -0.36, runner-up -1.36 per slot. The all-runner-up path of 2 slots
     # (-2.72) is among the best 23 paths; that of 3 slots (-4.08) is not (more than 23 paths
-    # score higher). So every step accepts exactly 2 drafts + the bonus.
+    # score higher). So every step accepts exactly 2 drafts + the bonus, through nodes that
+    # are not each other's neighbours in the tree's order.
     assert tree.stats.tau == 3.0 and tree.stats.accept_per_position[:3] == [1.0, 1.0, 0.0]
 
 
@@ -166,18 +187,15 @@ def test_sampled_tokens_follow_the_target_distribution_with_a_tree(llama):
     assert_first_two_tokens_follow_the_target(llama, engine, prompt)
 
 
-def test_tree_needs_an_attention_only_target_and_a_drafter(tiny_checkpoints):
-    hybrid = load_target(tiny_checkpoints["qwen3_5"], tokenizer=False)[0]
-    with pytest.raises(QfdError, match="attention-only"):
-        Engine(hybrid, drafter=make_drafter(tiny_checkpoints["qwen3_5"]), max_len=64, tree_size=8)
-    llama = load_target(tiny_checkpoints["llama"], tokenizer=False)[0]
+def test_tree_needs_a_drafter_and_two_tokens(llama, tiny_checkpoints):
     with pytest.raises(QfdError, match="needs a drafter"):
         Engine(llama, max_len=64, tree_size=8)
     with pytest.raises(QfdError, match="at least 2"):
         Engine(llama, drafter=make_drafter(tiny_checkpoints["llama"]), max_len=64, tree_size=1)
 
 
-def test_compiled_tree_engine_is_token_identical_and_compiles_once(llama, tiny_checkpoints, reference):
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_compiled_tree_engine_is_token_identical_and_compiles_once(targets, tiny_checkpoints, family):
     """torch.compile'd steps (aot_eager: dynamo's capture and guards without codegen): the tree
     step compiles once at construction - slots, depths and the ancestor mask are buffers, not
     Python values - and gives the same tokens."""
@@ -185,12 +203,13 @@ def test_compiled_tree_engine_is_token_identical_and_compiles_once(llama, tiny_c
 
     torch._dynamo.reset()
     backend = counting()
-    drafter = make_drafter(tiny_checkpoints["llama"])
-    engine = Engine(llama, drafter=drafter, max_len=128, tree_size=12, compile_steps=True, compile_backend=backend)
+    model = targets[family]
+    drafter = make_drafter(tiny_checkpoints[family])
+    engine = Engine(model, drafter=drafter, max_len=128, tree_size=12, compile_steps=True, compile_backend=backend)
     assert backend.frame_count == 3  # decode, tree verify, draft step
     for seed in range(2):
         ids = prompt_ids(12, seed)
-        assert engine.generate(ids, greedy(NEW)).tokens == Engine(llama, max_len=128).generate(ids, greedy(NEW)).tokens
+        assert engine.generate(ids, greedy(NEW)).tokens == Engine(model, max_len=128).generate(ids, greedy(NEW)).tokens
     assert backend.frame_count == 3
     torch._dynamo.reset()
 

@@ -14,7 +14,7 @@ DRAFT_VOCAB_HELP = ("The drafter's LM head over only the N most frequent tokens 
 SHORT_BLOCK_HELP = ("With --draft-len k: the drafter runs only the k + 1 block slots it verifies, not all B (a cheaper draft "
                     "step on a CPU; drafts from a block shape it was not trained on, so acceptance may drop; same output).")
 TREE_HELP = ("Verify a tree of N tokens per step instead of a chain of draft-len + 1: the best-scoring paths over each "
-             "draft slot's top 8 tokens (more accepted per step, same output; attention-only targets; 0 = chain).")
+             "draft slot's top 8 tokens (more accepted per step, same output; 0 = chain).")
 COMPILE_HELP = "torch.compile the fixed-shape steps before CUDA-graph capture (GPU; slow first start)"
 INT4_HEAD_HELP = ("quantize the target's LM head to INT4 (RTN g128) at load: fewer bytes per step, slightly different "
                   "target; see bench/bench_int4_head.py")

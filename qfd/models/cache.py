@@ -18,6 +18,9 @@ Rollback (speculative decoding keeps only the accepted prefix of a verified bloc
   Memory: history = B * max_verify * num_v_heads * dk * dv * 4 bytes per GDN layer; for
   Qwen3.5-4B (24 GDN layers, 32 heads of 128x128) and max_verify 16 that is 768 MiB, on top of
   the 48 MiB of live recurrent state.
+- a draft tree's forward (qfd.tree, TargetModel.verify_tree) writes node i's K/V at slot
+  start + i and each node's GDN state into the history (max_verify >= the tree's size);
+  `keep_tree_path` then moves the kept path's K/V into place and keeps its last node's state.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from qfd.kernels import gdn_triton, runs_on
-from qfd.models.gdn import chunked_gated_delta, recurrent_gated_delta
+from qfd.models.gdn import chunked_gated_delta, recurrent_gated_delta, tree_gated_delta
 
 # Decode / verify steps through the fused Triton kernel where it runs (CUDA); False = the torch
 # recurrence everywhere (bench_steps.py --reference-kernels flips it for a side-by-side run).
@@ -47,6 +50,7 @@ class GDNState:
         self.max_verify = max_verify
         self.window: torch.Tensor | None = None  # [B, C, K-1+T] of the last forward
         self.inputs: tuple[torch.Tensor, ...] | None = None  # (q, k, v, g, beta) of a long last forward
+        self.tree_conv: torch.Tensor | None = None  # [N, K] window columns per node of a tree forward
         self.steps = 0  # T of the last forward
 
     def advance(self, window, q, k, v, g, beta) -> torch.Tensor:
@@ -54,7 +58,7 @@ class GDNState:
         in place and record what rollback needs. Returns the core output [B, T, H, dv] float32."""
         T = q.shape[1]
         kernel_minus_1 = self.conv.shape[-1]
-        self.window, self.steps = window, T
+        self.window, self.steps, self.tree_conv = window, T, None
         if T <= self.max_verify and FUSED_STEP and runs_on(q):
             # one kernel: saves `start`, writes the history and the final state in place
             out = gdn_triton.gated_delta_step(q, k, v, g, beta, self.recurrent, self.start, self.history)
@@ -80,8 +84,24 @@ class GDNState:
     def advance_window(self, window, conv_weight, a, b, A_log, dt_bias, k_heads: int) -> torch.Tensor:
         """`advance` from the raw conv window and a/b projections (`qfd.models.gdn.conv_and_gates`
         inside the kernel): one kernel also updates the conv state. Returns [B, T, H, dv] float32."""
-        self.window, self.steps, self.inputs = window, window.shape[-1] - self.conv.shape[-1], None
+        self.window, self.steps, self.inputs, self.tree_conv = window, window.shape[-1] - self.conv.shape[-1], None, None
         return gdn_triton.gated_delta_conv_step(window, conv_weight, a, b, A_log, dt_bias, self.recurrent, self.start, self.history, self.conv, k_heads)
+
+    def advance_tree(self, window, conv_index, q, k, v, g, beta, parents) -> torch.Tensor:
+        """Run the gated delta rule over the N nodes of a draft tree (`tree_gated_delta`, torch
+        on every device) from the current state, recording every node's state in the history.
+        The state itself moves only at `keep_tree_node`. Returns [B, N, H, dv] float32."""
+        if q.shape[1] > self.max_verify:
+            raise ValueError(f"a tree of {q.shape[1]} nodes needs a cache made with max_verify >= {q.shape[1]}")
+        self.window, self.steps, self.inputs, self.tree_conv = window, q.shape[1], None, conv_index
+        self.start.copy_(self.recurrent)
+        return tree_gated_delta(q, k, v, g, beta, self.recurrent, parents, self.history)
+
+    def keep_tree_node(self, node: int) -> None:
+        """After a tree forward: the state after tree node `node` (its path committed)."""
+        self.recurrent.copy_(self.history[:, node])
+        self.conv.copy_(self.window[..., self.tree_conv[node, 1:]])
+        self.steps, self.window, self.tree_conv = 0, None, None
 
     def rollback(self, keep: int) -> None:
         """Restore the state after the first `keep` tokens of the last forward (0 <= keep <= T)."""
@@ -152,15 +172,17 @@ class TargetCache:
         relative to the forward's first slot) as the sequence continuing the cache. Their K/V
         move down to consecutive slots; a node's slot is never below its depth, so the gather
         reads every source before any write can reach it. Attention-only caches."""
-        if self.gdn or self.kv is None:
-            raise ValueError("a tree path can be kept only in an attention-only cache from TargetModel.new_cache")
+        if self.kv is None:
+            raise ValueError("a tree path can be kept only in a cache from TargetModel.new_cache")
         start, n = self._last_start, len(path)
         if not 1 <= n <= self.length - start:
             raise ValueError(f"tree path of {n} nodes outside the last forward ({self.length - start} tokens)")
-        if list(path) != list(range(n)):
+        if list(path) != list(range(n)) and self.k:
             # every layer's K and V at once (views of self.kv): two kernels on a GPU
             src = torch.tensor(path, device=self.kv.device) + start
             self.kv[..., start : start + n, :] = self.kv.index_select(-2, src)
+        for state in self.gdn.values():
+            state.keep_tree_node(path[-1])
         self.length = start + n
 
     def reset(self) -> None:
@@ -169,5 +191,5 @@ class TargetCache:
         for state in self.gdn.values():
             state.conv.zero_()
             state.recurrent.zero_()
-            state.window = state.inputs = None
+            state.window = state.inputs = state.tree_conv = None
             state.steps = 0

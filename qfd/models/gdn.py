@@ -58,6 +58,44 @@ def recurrent_gated_delta(q, k, v, g, beta, state, history: torch.Tensor | None 
     return torch.stack(outs, dim=1), state
 
 
+def tree_gated_delta(q, k, v, g, beta, state, parents: torch.Tensor, history: torch.Tensor):
+    """The gated delta rule over the nodes of a draft tree (qfd.tree) instead of a sequence:
+    node 0 (the root) continues `state`, node t > 0 continues its parent's state, read back
+    from `history`. Same arguments as `recurrent_gated_delta` with T = N nodes (parents come
+    first); parents [N] long (a tensor: a CUDA graph replays any tree). history [B, >=N, H, dk,
+    dv] receives every node's state, in place. Returns out [B, N, H, dv] float32."""
+    v, g, beta = v.float(), g.float(), beta.float()
+    outs = []
+    for t in range(q.shape[1]):
+        before = state if t == 0 else history.index_select(1, parents[t : t + 1])[:, 0]
+        before = before * g[:, t].exp()[..., None, None]
+        k_t = k[:, t]
+        delta = (v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, before)) * beta[:, t, :, None]
+        after = before + k_t[..., :, None] * delta[..., None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], after))
+        history[:, t].copy_(after)
+    return torch.stack(outs, dim=1)
+
+
+def tree_structure(ancestors: torch.Tensor, kernel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a tree's ancestor mask [N, N] (qfd.tree): parents [N] (-1 for the root) and, per
+    node, the conv window columns of its `kernel` inputs, oldest first [N, kernel]. Window
+    columns 0..kernel-2 hold the conv state (the last committed inputs), column kernel-1+j
+    tree node j; a node's inputs are its ancestors' (and its own), then the state's."""
+    n = ancestors.shape[0]
+    depth = ancestors.sum(1) - 1  # the root has only itself
+    node = torch.arange(n, device=ancestors.device)
+    columns = []
+    for back in range(kernel - 1, -1, -1):
+        want = depth - back  # the depth of the input `back` steps up the path
+        match = ancestors & (depth[None, :] == want[:, None])  # at most one ancestor per depth
+        found = (match.long() * node[None, :]).sum(1)
+        columns.append(torch.where(match.any(1), kernel - 1 + found, kernel - 1 + want))
+    conv_index = torch.stack(columns, dim=1)
+    parents = torch.where(depth > 0, conv_index[:, -2] - (kernel - 1), -1)
+    return parents, conv_index
+
+
 def chunked_gated_delta(q, k, v, g, beta, state, chunk_size: int = 64):
     """Chunkwise gated delta rule (same arguments and results as `recurrent_gated_delta`,
     no history): inside a chunk the delta-rule updates are folded into one triangular solve
@@ -158,9 +196,12 @@ class GatedDeltaNet(nn.Module):
         self.in_proj: nn.Module | None = None
         self.in_proj_sizes: tuple[int, ...] = ()
 
-    def forward(self, x: torch.Tensor, state=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state=None, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]. `state`: this layer's `GDNState` in the cache
-        (updated in place, with what rollback needs recorded), or None for a fresh sequence."""
+        (updated in place, with what rollback needs recorded), or None for a fresh sequence.
+        tree: (parents [T], conv_index [T, K]) from `tree_structure`: the T tokens are the
+        nodes of a draft tree (qfd.tree), each continuing its parent; `state.keep_tree_node`
+        then keeps one node's state."""
         B, T, _ = x.shape
         if self.in_proj is None:
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
@@ -172,7 +213,14 @@ class GatedDeltaNet(nn.Module):
         else:
             window = torch.cat([state.conv.to(mixed.dtype), mixed], dim=-1)  # [B, C, K-1+T]
         dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
-        if state is not None and state.takes_window(window):
+        if tree is not None:
+            # each node's conv sees its own K inputs along its path: one window per node
+            parents, conv_index = tree
+            nodes = window[:, :, conv_index].permute(0, 2, 1, 3).reshape(B * T, self.conv_dim, self.kernel)
+            q, k, v, g, beta = conv_and_gates(nodes, self.conv1d.weight, a.reshape(B * T, 1, -1), b.reshape(B * T, 1, -1), self.A_log, self.dt_bias, dims, x.dtype)
+            q, k, v, g, beta = (t.reshape(B, T, *t.shape[2:]) for t in (q, k, v, g, beta))
+            core = state.advance_tree(window, conv_index, q, k, v, g, beta, parents)
+        elif state is not None and state.takes_window(window):
             # decode / verify on a GPU: conv, gates and recurrence in one kernel
             core = state.advance_window(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias, self.num_k_heads)
         else:

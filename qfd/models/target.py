@@ -21,7 +21,7 @@ Family differences (all from transformers' modeling files):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from torch import nn
 from qfd.errors import QfdError
 from qfd.models import rope as rope_math
 from qfd.models.cache import GDNState, TargetCache
-from qfd.models.gdn import GatedDeltaNet
+from qfd.models.gdn import GatedDeltaNet, tree_structure
 from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
 
 FAMILIES = ("llama", "qwen3", "qwen3_5")
@@ -119,6 +119,18 @@ class TargetOutput:
     taps: torch.Tensor | None  # [B, T, len(tap_layers) * hidden]
 
 
+class TreeStep(NamedTuple):
+    """What a tree verify's layers read (TargetModel.verify_tree), computed once per forward:
+    attention writes token i's K/V at cache slot slots[i] and attends to the keys visible[i]
+    marks (`tree_visibility`); Gated DeltaNet continues each node from its parent's state
+    (parents, conv_index: qfd.models.gdn.tree_structure; None in attention-only models)."""
+
+    slots: torch.Tensor
+    visible: torch.Tensor
+    parents: torch.Tensor | None
+    conv_index: torch.Tensor | None
+
+
 class RMSNorm(nn.Module):
     """Llama/Qwen3: w * norm(x) (cast before the weight); Qwen3.5 (`zero_centered`):
     (1 + w) * norm(x) in float32, then cast."""
@@ -156,11 +168,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, cache: TargetCache | None, layer: int, positions: torch.Tensor, tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: TargetCache | None, layer: int, positions: torch.Tensor, tree: TreeStep | None = None) -> torch.Tensor:
         """x: [B, T, hidden]; cos/sin: [T, rotary_dim]; positions: [T] absolute positions.
-        tree: (slots [T], visible [T, keys] bool) to verify a draft tree (qfd.tree): token i
-        writes its K/V at cache slot slots[i] and attends to the keys visible[i] marks
-        (`tree_visibility`, computed once per forward)."""
+        tree: a draft tree's slots and visibility (TreeStep) instead of a causal block."""
         B, T, _ = x.shape
         if self.qkv_proj is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -181,12 +191,12 @@ class Attention(nn.Module):
         if cache is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
-            keys, values = cache.write_kv(layer, k, v, positions if tree is None else tree[0])
+            keys, values = cache.write_kv(layer, k, v, positions if tree is None else tree.slots)
             if tree is None:
                 # a key is visible to a query when its position is not after the query's
                 mask = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
             else:
-                mask = tree[1]
+                mask = tree.visible
             out = grouped_attention(q, keys, values, mask)
         out = out.transpose(1, 2).reshape(B, T, -1)
         if gate is not None:
@@ -276,10 +286,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
 
-    def forward(self, h, cos, sin, cache: TargetCache | None, positions: torch.Tensor, tree=None) -> torch.Tensor:
+    def forward(self, h, cos, sin, cache: TargetCache | None, positions: torch.Tensor, tree: TreeStep | None = None) -> torch.Tensor:
         x = self.input_layernorm(h)
         if self.kind == "linear_attention":
-            x = self.linear_attn(x, None if cache is None else cache.gdn[self.index])
+            x = self.linear_attn(x, None if cache is None else cache.gdn[self.index], None if tree is None else (tree.parents, tree.conv_index))
         else:
             x = self.self_attn(x, cos, sin, cache, self.index, positions, tree)
         h = h + x
@@ -367,12 +377,6 @@ class TargetModel(nn.Module):
             cache.end(T)
         return out
 
-    @property
-    def supports_tree(self) -> bool:
-        """Tree verification needs every layer to be attention: a Gated DeltaNet layer's state
-        follows one sequence, not the branches of a tree."""
-        return all(layer.kind == "full_attention" for layer in self.model.layers)
-
     def verify_tree(self, input_ids: torch.Tensor, cache: TargetCache, depths: torch.Tensor, ancestors: torch.Tensor, tap_layers: Sequence[int] = ()) -> TargetOutput:
         """Verify a draft tree (qfd.tree.tree_inputs) continuing the cached sequence: node i at
         position cache.length + depths[i], in cache slot cache.length + i, seeing the context
@@ -388,13 +392,16 @@ class TargetModel(nn.Module):
         """The forward at explicit `positions` [T], without the cache's length bookkeeping
         (the caller does cache.begin/end): the piece to torch.compile / CUDA-graph with a
         static cache, where no Python int may change between steps.
-        slots + ancestors: verify a draft tree (qfd.tree.tree_inputs; attention-only models):
-        token i at RoPE position positions[i], cache slot slots[i], seeing its ancestors."""
+        slots + ancestors: verify a draft tree (qfd.tree.tree_inputs): token i at RoPE position
+        positions[i], cache slot slots[i], seeing (and continuing) its ancestors."""
         tree = None
         if slots is not None:
-            if cache is None or not self.supports_tree:
-                raise ValueError("a tree verify needs a cache and an attention-only model")
-            tree = (slots, tree_visibility(cache.key_count(input_ids.shape[1]), slots, ancestors))
+            if cache is None:
+                raise ValueError("a tree verify needs a cache")
+            parents = conv_index = None
+            if cache.gdn:
+                parents, conv_index = tree_structure(ancestors, next(iter(cache.gdn.values())).conv.shape[-1] + 1)
+            tree = TreeStep(slots, tree_visibility(cache.key_count(input_ids.shape[1]), slots, ancestors), parents, conv_index)
         h = self.model.embed_tokens(input_ids)
         cos, sin = rope_math.cos_sin(self.model.inv_freq, positions, h.dtype)
         wanted = {int(layer): slot for slot, layer in enumerate(tap_layers)}
