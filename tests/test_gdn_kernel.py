@@ -136,3 +136,33 @@ def test_a_kernel_that_fails_warns_once_then_uses_its_fallback(monkeypatch):
     assert kernels.launch_or_fallback("demo", broken, lambda: "reference") == "reference"
     assert calls == ["kernel"]  # not retried
     assert kernels.launch_or_fallback("other", lambda: "kernel", lambda: "reference") == "kernel"
+
+
+def check_tree_step(device):
+    """The tree op against each node's path run as a plain sequence by the torch recurrence."""
+    from qfd.models.gdn import tree_structure
+    from qfd.tree import build_tree
+
+    g_ = torch.Generator().manual_seed(1)
+    tree = build_tree(0, torch.zeros(4, 3, dtype=torch.long), torch.randn(4, 3, generator=g_).log_softmax(-1).sort(-1, descending=True).values, 9)
+    parents, _ = tree_structure(tree.ancestor_mask(), 4)
+    assert parents.tolist() == list(tree.parents)
+    assert any(p != i - 1 for i, p in enumerate(tree.parents) if i > 0)  # branches: the kernel reloads a state
+    q, k, v, g, beta, state = (x.to(device) for x in step_inputs(B=2, T=tree.size, seed=3))
+    history = torch.zeros(2, 16, *state.shape[1:], device=device)
+    out = gdn_triton.gated_delta_tree_step(q, k, v, g, beta, state, history, parents.to(device))
+    for node in range(tree.size):
+        path = torch.tensor(tree.path_to(node))
+        expected, final = recurrent_gated_delta(*(x[:, path] for x in (q.cpu(), k.cpu(), v.cpu(), g.cpu(), beta.cpu())), state.cpu())
+        torch.testing.assert_close(out[:, node].cpu(), expected[:, -1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(history[:, node].cpu(), final, rtol=1e-5, atol=1e-5)
+
+
+def test_the_tree_op_continues_each_node_from_its_parent():
+    check_tree_step("cpu")  # on CI: the torch reference
+
+
+@needs_triton
+def test_tree_kernel_matches_the_torch_recurrence_along_every_path():
+    assert runs_on(torch.zeros(1, device=KERNEL_DEVICE))
+    check_tree_step(KERNEL_DEVICE)

@@ -65,6 +65,46 @@ if _HAVE_TRITON:
 if _HAVE_TRITON:
 
     @triton.jit
+    def _gated_delta_tree_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, s_ptr, hist_ptr, par_ptr,
+        T, H, DV, HIST_T,
+        DK: tl.constexpr, BV: tl.constexpr,
+    ):
+        """`_gated_delta_kernel` over the nodes of a draft tree: node 0 continues the state,
+        node t > 0 its parent's (parents [T] int64, parents before children). The state tile
+        stays in registers while a node follows the node before it (a chain, or a tree's
+        first branch) and is read back from the history at a branch switch. The state itself
+        is not changed (the engine keeps one node's state afterwards)."""
+        bh = tl.program_id(0)
+        b, h = bh // H, bh % H
+        offs_k = tl.arange(0, DK)
+        offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+        v_mask = offs_v < DV
+        tile = offs_k[:, None] * DV + offs_v[None, :]
+        tile_mask = (offs_k[:, None] < DK) & v_mask[None, :]
+        state = tl.load(s_ptr + bh * DK * DV + tile, mask=tile_mask, other=0.0)
+        for t in range(T):
+            if t > 0:
+                parent = tl.load(par_ptr + t)
+                if parent != t - 1:
+                    tl.debug_barrier()  # the parent's history tile, written by other threads of this program
+                    parent_off = ((b * HIST_T + parent) * H + h) * DK * DV
+                    state = tl.load(hist_ptr + parent_off + tile, mask=tile_mask, other=0.0)
+            row = (b * T + t) * H + h
+            k_t = tl.load(k_ptr + row * DK + offs_k)
+            q_t = tl.load(q_ptr + row * DK + offs_k)
+            v_t = tl.load(v_ptr + row * DV + offs_v, mask=v_mask, other=0.0)
+            decay = tl.exp(tl.load(g_ptr + row))
+            beta = tl.load(b_ptr + row)
+            state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
+            tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
+            hist_off = ((b * HIST_T + t) * H + h) * DK * DV
+            tl.store(hist_ptr + hist_off + tile, state, mask=tile_mask)
+
+
+if _HAVE_TRITON:
+
+    @triton.jit
     def _conv_silu(win_ptr, cw_ptr, chan, chan_mask, t, W, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr):
         """SiLU(depthwise conv) at token t for channels `chan`: sum_i w[c, i] * window[c, t + i],
         rounded to the window's dtype after the conv and after the SiLU (as the torch module)."""
@@ -214,4 +254,39 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 @gated_delta_step.register_fake
 def _gated_delta_step_fake(q, k, v, g, beta, state, start, history):
+    return q.new_empty(*v.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("qfd::gated_delta_tree_step", mutates_args=("history",))
+def gated_delta_tree_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          state: torch.Tensor, history: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule over a draft tree's nodes (`qfd.models.gdn.tree_gated_delta`):
+    `history[:, t]` <- the state after node t, continuing node parents[t]'s (node 0: `state`,
+    which is not changed). Returns the output [B, T, H, dv] float32. Without a usable Triton,
+    or if the kernel fails (not yet run on a GPU: guarded), the torch reference."""
+    B, T, H, dk = k.shape
+    dv = v.shape[-1]
+
+    def reference():
+        from qfd.models.gdn import tree_gated_delta
+
+        return tree_gated_delta(q, k, v, g, beta, state, parents, history)
+
+    def launch():
+        q_, k_, v_, g_, b_ = (x.float().contiguous() for x in (q, k, v, g, beta))
+        out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
+        block_v = 32
+        _gated_delta_tree_kernel[(B * H, triton.cdiv(dv, block_v))](
+            q_, k_, v_, g_, b_, out, state, history, parents.to(torch.int64).contiguous(), T, H, dv, history.shape[1],
+            DK=dk, BV=block_v, num_warps=4,
+        )
+        return out
+
+    if not runs_on(q):
+        return reference()
+    return launch_or_fallback("gated_delta_tree_step", launch, reference)
+
+
+@gated_delta_tree_step.register_fake
+def _gated_delta_tree_step_fake(q, k, v, g, beta, state, history, parents):
     return q.new_empty(*v.shape, dtype=torch.float32)

@@ -88,13 +88,16 @@ class GDNState:
         return gdn_triton.gated_delta_conv_step(window, conv_weight, a, b, A_log, dt_bias, self.recurrent, self.start, self.history, self.conv, k_heads)
 
     def advance_tree(self, window, conv_index, q, k, v, g, beta, parents) -> torch.Tensor:
-        """Run the gated delta rule over the N nodes of a draft tree (`tree_gated_delta`, torch
-        on every device) from the current state, recording every node's state in the history.
+        """Run the gated delta rule over the N nodes of a draft tree from the current state
+        (`gdn_triton.gated_delta_tree_step` where Triton runs, else `tree_gated_delta`),
+        recording every node's state in the history.
         The state itself moves only at `keep_tree_node`. Returns [B, N, H, dv] float32."""
         if q.shape[1] > self.max_verify:
             raise ValueError(f"a tree of {q.shape[1]} nodes needs a cache made with max_verify >= {q.shape[1]}")
         self.window, self.steps, self.inputs, self.tree_conv = window, q.shape[1], None, conv_index
         self.start.copy_(self.recurrent)
+        if FUSED_STEP and runs_on(q):  # one kernel per layer (torch's loop where it fails)
+            return gdn_triton.gated_delta_tree_step(q, k, v, g, beta, self.recurrent, self.history, parents)
         return tree_gated_delta(q, k, v, g, beta, self.recurrent, parents, self.history)
 
     def keep_tree_node(self, node: int) -> None:
