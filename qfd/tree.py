@@ -9,7 +9,8 @@ SpecInfer / Medusa / EAGLE-2), and the longest path the target agrees with is ke
 
 The tree is built per step from the drafter's own scores (EAGLE-2's dynamic tree): the N - 1
 paths of the highest summed log-probability among the top `width` tokens of each slot, found
-best-first. Scores only fall along a path, so the chosen set is closed under prefixes.
+best-first. Scores only fall along a path, so the chosen set is closed under prefixes. Nodes
+are then laid out depth-first, so the drafter's best path is the first nodes in order.
 
 Output is unchanged. Greedy: a child is followed only when its token equals the target's
 argmax at its parent, so the committed tokens are the target's own greedy choices.
@@ -104,7 +105,26 @@ def build_tree(root_token: int, candidates: torch.Tensor, scores: torch.Tensor, 
                 sibling = neg + logp[slot][rank] - logp[slot][rank + 1]
                 heapq.heappush(heap, (sibling, order, parent, slot, rank + 1))
                 order += 1
-    return DraftTree(tuple(parents), tuple(depths), tuple(ranks), tuple(tokens))
+    return depth_first(DraftTree(tuple(parents), tuple(depths), tuple(ranks), tuple(tokens)))
+
+
+def depth_first(tree: DraftTree) -> DraftTree:
+    """The same tree with its nodes in depth-first order, each node's children best first.
+    Then every first child directly follows its parent: the best path is nodes 0, 1, 2, ...
+    (kept without moving any K/V), and a Gated DeltaNet kernel carries the state from one
+    node to the next except at a branch switch."""
+    order, stack = [], [0]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(tree.children(node)))  # children in the order they were added: best first
+    new_index = {old: new for new, old in enumerate(order)}
+    return DraftTree(
+        tuple(-1 if tree.parents[i] < 0 else new_index[tree.parents[i]] for i in order),
+        tuple(tree.depths[i] for i in order),
+        tuple(tree.ranks[i] for i in order),
+        tuple(tree.tokens[i] for i in order),
+    )
 
 
 def pad_tree(tree: DraftTree, size: int) -> DraftTree:

@@ -43,6 +43,10 @@ def test_tree_holds_the_best_scoring_paths(size):
     tree = build_tree(7, candidates, scores, size)
     assert tree.size == size and tree.tokens[0] == 7 and tree.parents[0] == -1
     assert all(tree.parents[i] < i for i in range(1, size))  # parents come first
+    for node in range(size):  # depth-first: a node's best child follows it
+        children = tree.children(node)
+        assert not children or children[0] == node + 1
+        assert [tree.ranks[c] for c in children] == sorted(tree.ranks[c] for c in children)
     every = [p for d in range(1, depth + 1) for p in itertools.product(range(width), repeat=d)]
     score = lambda p: sum(float(scores[j, r]) for j, r in enumerate(p))  # noqa: E731
     best = sorted(every, key=score, reverse=True)[: size - 1]
