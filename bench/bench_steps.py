@@ -24,6 +24,9 @@ every fixed-shape step (decode, verify, draft) before its CUDA-graph capture (En
 The targets' same-input projections are fused as load_target fuses them (qfd.models.fuse);
 --no-fuse (or QFD_FUSE=0) times the unfused model. --int4-head quantizes the INT4 target's LM
 head too (qfd.quant.head, as load_target(int4_head=True)); the BF16 target keeps its own.
+--tree N also times a draft-tree verify of N tokens (qfd.tree; Engine(tree_size=N)) and the
+keep of its deepest path, per setting ("tree_verify_keep"), for both targets: a random tree
+of the drafter's shape (B-1 slots, top 8), depth-first as the engine lays it out.
 """
 
 from __future__ import annotations
@@ -122,11 +125,24 @@ def build_target(shape: dict, device, dtype, int4: bool, group_size: int, kernel
     return model.eval()
 
 
-def target_costs(model, max_len, block, measure, device, taps, compile_steps=False, settings=tuple(SETTINGS), profile=False) -> dict:
+def random_tree(size: int, slots: int, device):
+    """A draft tree of `size` nodes over `slots` draft slots from random drafter scores, and
+    its deepest path (what a keep moves): tree_inputs + path."""
+    from qfd.tree import build_tree, tree_inputs
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randn(slots, 8, generator=g).log_softmax(-1).sort(-1, descending=True).values
+    tree = build_tree(1, torch.randint(2, 1000, (slots, 8), generator=g), scores, size)
+    deepest = max(range(tree.size), key=lambda i: (tree.depths[i], -i))
+    return tree_inputs(tree, device), tree.path_to(deepest)
+
+
+def target_costs(model, max_len, block, measure, device, taps, compile_steps=False, settings=tuple(SETTINGS), profile=False, tree: int = 0) -> dict:
     """`block`: tokens per verify (draft length + 1); `settings`: which of SETTINGS to time;
-    `profile`: also a kernel breakdown of the decode and the verify (`kernel_profile`)."""
-    cache = model.new_cache(max_len, static=True, max_verify=max(16, block))
-    steps = StaticTargetSteps(model, cache, sizes=(1, block), tap_layers=taps, compile=compile_steps)
+    `profile`: also a kernel breakdown of the decode and the verify (`kernel_profile`);
+    `tree`: also a tree verify of that many tokens + the keep of one path."""
+    cache = model.new_cache(max_len, static=True, max_verify=max(16, block, tree))
+    steps = StaticTargetSteps(model, cache, sizes=(1, block), tap_layers=taps, compile=compile_steps, tree_size=tree)
     out = {}
     with torch.inference_mode():
         for name, (n_in, _) in SETTINGS.items():
@@ -159,6 +175,15 @@ def target_costs(model, max_len, block, measure, device, taps, compile_steps=Fal
 
             out[f"verify_{name}_ms"] = measure(verify)
             out[f"verify_rollback_{name}_ms"] = measure(verify_rollback)
+            if tree:
+                (ids, depths, ancestors), path = random_tree(tree, block - 1, device)
+
+                def tree_verify_keep():  # then back to L (the states' values drift; the costs do not depend on them)
+                    steps.verify_tree(ids, cache, depths, ancestors, taps)
+                    cache.keep_tree_path(path)
+                    cache.rollback(L)
+
+                out[f"tree_verify_keep_{name}_ms"] = measure(tree_verify_keep)
             out[f"rollback_{name}_ms"] = max(0.0, out[f"verify_rollback_{name}_ms"] - out[f"verify_{name}_ms"])
             first = profile and "profile" not in out  # profile the first setting only
             if first:  # verify before decode: decode moves the cache past the verify's rollback point
@@ -288,6 +313,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also profile the target's decode and verify (CUDA kernels / CPU ops; first setting)")
     p.add_argument("--reference-kernels", action="store_true", help="the torch GDN recurrence and the single attention-values GEMM instead of the fused GDN step kernel and the split product (side-by-side runs)")
     p.add_argument("--no-fused-conv", action="store_true", help="the GDN step kernel without the conv/SiLU/normalisation/gates folded in (conv and gates in torch: the 2026-12-04 kernel; side-by-side runs)")
+    p.add_argument("--tree", type=int, default=0, metavar="N", help="also time a draft-tree verify of N tokens + keeping one path (qfd.tree), per setting")
     p.add_argument("--targets-only", action="store_true", help="time the targets only (no drafter, no ledger)")
     p.add_argument("--no-compile-drafter", action="store_true", help="with --compile: compile the targets' steps only (the drafter's stay graphed, uncompiled; saves its compiles)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated latency settings to time (default all: short,medium,long)")
@@ -329,18 +355,18 @@ def main() -> None:
     taps = config_for_target(shape, mask_token_id=0).target_layer_ids
     fuse = not args.no_fuse and fusion_enabled()
 
-    results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels)}
+    results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels), "tree": args.tree}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures
         args.out.write_text(json.dumps(results, indent=2))
 
     bf16 = build_target(shape, device, dtype, int4=False, group_size=args.group_size, fuse=fuse)
-    results["bf16"] = target_costs(bf16, max_len, verify_len, measure, device, (), args.compile, settings, args.profile)
+    results["bf16"] = target_costs(bf16, max_len, verify_len, measure, device, (), args.compile, settings, args.profile, args.tree)
     save()
     del bf16
     torch.cuda.empty_cache() if device.type == "cuda" else None
     int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size, kernel=args.int4_kernel, fuse=fuse, int4_head=args.int4_head)
-    results["int4"] = target_costs(int4, max_len, verify_len, measure, device, taps, args.compile, settings, args.profile)
+    results["int4"] = target_costs(int4, max_len, verify_len, measure, device, taps, args.compile, settings, args.profile, args.tree)
     save()
     if args.targets_only:
         report(results)
@@ -396,6 +422,15 @@ def report(results: dict) -> None:
         if all(k in results.get(t, {}) for t, k in keys):
             target.add_row(name, *(f"{results[t][k]:.3f}" for t, k in keys))
     console.print(target)
+    if results.get("tree"):
+        trees = Table(title=f"draft-tree verify of {results['tree']} tokens + keep of its deepest path, ms ({kind})")
+        for col in ("setting", "bf16", "int4", f"int4 x its {results['draft_len'] + 1}-token verify+rollback"):
+            trees.add_column(col, justify="right")
+        for name in results["settings"]:
+            if f"tree_verify_keep_{name}_ms" in results.get("int4", {}):
+                b, q = results["bf16"][f"tree_verify_keep_{name}_ms"], results["int4"][f"tree_verify_keep_{name}_ms"]
+                trees.add_row(name, f"{b:.3f}", f"{q:.3f}", f"{q / results['int4'][f'verify_rollback_{name}_ms']:.2f}")
+        console.print(trees)
     table = Table(title=f"PROJECTED latency per setting, ms (x BF16 target-only), tau = {results['tau']}: a ledger like the paper's Table 2 ({kind})")
     table.add_column("system")
     for r in rows:
