@@ -9,6 +9,7 @@
 #   VARIANTS     which runs (default "reference fused"): reference (torch GDN recurrence, single
 #                values GEMM), conv_in_torch (the GDN step kernel without the conv and gates
 #                folded in), unfused (q/k/v, gate/up, GDN in_proj_* separate), fused (all of it)
+#   TREE=N       also a draft-tree verify of N tokens + keep per setting (bench_steps --tree N)
 export PYTHONPATH=${QFD_SRC:-$PWD} PYTHONUNBUFFERED=1
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
@@ -19,7 +20,8 @@ for variant in ${VARIANTS:-reference fused}; do
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
     timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
-        --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
+        --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
+    grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"
     grep "us of kernels" "$OUT/targets_$variant.log"
 done
