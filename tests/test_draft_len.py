@@ -140,15 +140,12 @@ def test_cli_generate_with_a_draft_len_reports_k_positions(chat_drafter, capsys)
 
 
 def test_serve_builds_an_engine_with_the_draft_len(chat_drafter):
-    from qfd.stages.serve import ServeConfig, build
+    from qfd.stages.serve import ServeConfig
+    from tests.test_draft_vocab import served_engine
 
     target, drafter = map(str, chat_drafter)
-    server = build(ServeConfig(target=target, drafter=drafter, port=0, device="cpu", max_len=64, draft_len=2))
-    try:
-        assert server.app.engine.draft_len == 2 and server.app.engine.verify_len == 3
-    finally:
-        server.app.worker.stop()
-        server.server_close()
+    with served_engine(target=target, drafter=drafter, draft_len=2) as engine:
+        assert engine.draft_len == 2 and engine.verify_len == 3
     with pytest.raises(QfdError, match="--engine qfd"):
         from qfd.stages.serve import run
 

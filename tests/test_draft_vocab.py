@@ -6,6 +6,8 @@ CLI round trip, and one-line errors."""
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import shutil
 
@@ -197,6 +199,20 @@ def _cli(argv, capsys):
     return code, captured.out, captured.err
 
 
+@contextlib.contextmanager
+def served_engine(**config):
+    """The engine of a `qfd serve` built (not started) from ServeConfig(**config) on the CPU,
+    port 0, a 64-token context; the server is stopped afterwards."""
+    from qfd.stages.serve import ServeConfig, build
+
+    server = build(ServeConfig(port=0, device="cpu", max_len=64, **config))
+    try:
+        yield server.app.engine
+    finally:
+        server.app.worker.stop()
+        server.server_close()
+
+
 def _one_error_line(code, err, words):
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and words in lines[0] and "Traceback" not in err, err
@@ -324,7 +340,7 @@ def test_cli_draft_vocab_errors_are_one_line(chat_drafters, capsys, command):
 
 
 def test_cli_generate_and_serve_with_a_draft_vocab(chat_drafters, capsys):
-    from qfd.stages.serve import ServeConfig, build
+    from qfd.stages.serve import ServeConfig
 
     target, plain, counted = map(str, chat_drafters)
     argv = ["generate", "--target", target, "--prompt", "Hello", "--max-new-tokens", "8", "--device", "cpu", "--drafter"]
@@ -333,12 +349,8 @@ def test_cli_generate_and_serve_with_a_draft_vocab(chat_drafters, capsys):
     code, out, err = _cli([*argv, counted, "--draft-vocab", "256"], capsys)
     assert code == 0, err
     assert out == full_out  # greedy: the same text with the full head and with 256 ids
-    server = build(ServeConfig(target=target, drafter=counted, port=0, device="cpu", max_len=64, draft_vocab=256))
-    try:
-        assert server.app.engine.draft_vocab == 256 and server.app.engine.draft_head.weight.shape[0] == 256
-    finally:
-        server.app.worker.stop()
-        server.server_close()
+    with served_engine(target=target, drafter=counted, draft_vocab=256) as engine:
+        assert engine.draft_vocab == 256 and engine.draft_head.weight.shape[0] == 256
     with pytest.raises(QfdError, match="--engine qfd"):
         from qfd.stages.serve import run
 

@@ -80,7 +80,7 @@ def test_short_block_without_a_draft_len_runs_the_whole_block(targets, tiny_chec
 
 
 # --- the CLI: --short-block on generate, serve and eval ------------------------------------------
-from tests.test_draft_vocab import _cli, _one_error_line, chat_drafters, engine_command  # noqa: E402,F401 (helpers, fixture)
+from tests.test_draft_vocab import _cli, _one_error_line, chat_drafters, engine_command, served_engine  # noqa: E402,F401 (helpers, fixture)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "eval"])
@@ -90,7 +90,7 @@ def test_cli_short_block_without_a_draft_len_is_one_error_line(chat_drafters, ca
 
 
 def test_cli_generate_and_serve_with_a_short_block(chat_drafters, capsys):
-    from qfd.stages.serve import ServeConfig, build, run
+    from qfd.stages.serve import ServeConfig, run
 
     target, plain, _ = map(str, chat_drafters)
     argv = ["generate", "--target", target, "--prompt", "Hello", "--max-new-tokens", "8", "--device", "cpu", "--drafter", plain, "--draft-len", "2"]
@@ -99,11 +99,7 @@ def test_cli_generate_and_serve_with_a_short_block(chat_drafters, capsys):
     code, out, err = _cli([*argv, "--short-block"], capsys)
     assert code == 0, err
     assert out == full_out  # greedy: the same text whatever the drafter proposes
-    server = build(ServeConfig(target=target, drafter=plain, port=0, device="cpu", max_len=64, draft_len=2, short_block=True))
-    try:
-        assert server.app.engine.short_block and server.app.engine.draft_block_len == 3
-    finally:
-        server.app.worker.stop()
-        server.server_close()
+    with served_engine(target=target, drafter=plain, draft_len=2, short_block=True) as engine:
+        assert engine.short_block and engine.draft_block_len == 3
     with pytest.raises(Exception, match="--engine qfd"):
         run(ServeConfig(target=target, drafter=plain, engine="vllm", draft_len=2, short_block=True))

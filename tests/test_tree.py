@@ -219,7 +219,7 @@ def test_compiled_tree_engine_is_token_identical_and_compiles_once(targets, tiny
 
 
 # --- the CLI: --tree on generate, serve and eval --------------------------------------------------
-from tests.test_draft_vocab import _cli, _one_error_line, chat_drafters, engine_command  # noqa: E402,F401 (helpers, fixture)
+from tests.test_draft_vocab import _cli, _one_error_line, chat_drafters, engine_command, served_engine  # noqa: E402,F401 (helpers, fixture)
 
 
 @pytest.mark.parametrize("command", ["generate", "serve", "eval"])
@@ -230,7 +230,7 @@ def test_cli_bad_tree_is_one_error_line(chat_drafters, capsys, command):
 
 
 def test_cli_generate_and_serve_with_a_tree(chat_drafters, capsys):
-    from qfd.stages.serve import ServeConfig, build, run
+    from qfd.stages.serve import ServeConfig, run
 
     target, plain, _ = map(str, chat_drafters)
     argv = ["generate", "--target", target, "--prompt", "Hello", "--max-new-tokens", "12", "--device", "cpu"]
@@ -239,11 +239,7 @@ def test_cli_generate_and_serve_with_a_tree(chat_drafters, capsys):
     code, out, err = _cli([*argv, "--drafter", plain, "--tree", "6"], capsys)
     assert code == 0, err
     assert out == target_only  # greedy: the target's text whatever the tree holds
-    server = build(ServeConfig(target=target, drafter=plain, port=0, device="cpu", max_len=64, tree=6))
-    try:
-        assert server.app.engine.tree_size == 6 and server.app.engine.verify_len == 6
-    finally:
-        server.app.worker.stop()
-        server.server_close()
+    with served_engine(target=target, drafter=plain, tree=6) as engine:
+        assert engine.tree_size == 6 and engine.verify_len == 6
     with pytest.raises(Exception, match="--engine qfd"):
         run(ServeConfig(target=target, drafter=plain, engine="vllm", tree=6))

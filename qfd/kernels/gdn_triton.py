@@ -31,6 +31,19 @@ if _HAVE_TRITON:
         return state, tl.sum(q_t[:, None] * state, axis=0)
 
     @triton.jit
+    def _delta_rule_at(state, row, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK: tl.constexpr, DV):
+        """`_delta_rule` for token `row` of the prepared inputs (q/k [.., DK], v/o [.., DV],
+        g/beta [..]): loads them, writes the output, returns the new state."""
+        k_t = tl.load(k_ptr + row * DK + offs_k)
+        q_t = tl.load(q_ptr + row * DK + offs_k)
+        v_t = tl.load(v_ptr + row * DV + offs_v, mask=v_mask, other=0.0)
+        decay = tl.exp(tl.load(g_ptr + row))
+        beta = tl.load(b_ptr + row)
+        state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
+        tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
+        return state
+
+    @triton.jit
     def _gated_delta_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, s_ptr, start_ptr, hist_ptr,
         T, H, DV, HIST_T,
@@ -49,14 +62,7 @@ if _HAVE_TRITON:
         state = tl.load(s_ptr + state_off + tile, mask=tile_mask, other=0.0)
         tl.store(start_ptr + state_off + tile, state, mask=tile_mask)
         for t in range(T):
-            row = (b * T + t) * H + h
-            k_t = tl.load(k_ptr + row * DK + offs_k)
-            q_t = tl.load(q_ptr + row * DK + offs_k)
-            v_t = tl.load(v_ptr + row * DV + offs_v, mask=v_mask, other=0.0)
-            decay = tl.exp(tl.load(g_ptr + row))
-            beta = tl.load(b_ptr + row)
-            state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
-            tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
+            state = _delta_rule_at(state, (b * T + t) * H + h, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK, DV)
             hist_off = ((b * HIST_T + t) * H + h) * DK * DV
             tl.store(hist_ptr + hist_off + tile, state, mask=tile_mask)
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
@@ -90,14 +96,7 @@ if _HAVE_TRITON:
                     tl.debug_barrier()  # the parent's history tile, written by other threads of this program
                     parent_off = ((b * HIST_T + parent) * H + h) * DK * DV
                     state = tl.load(hist_ptr + parent_off + tile, mask=tile_mask, other=0.0)
-            row = (b * T + t) * H + h
-            k_t = tl.load(k_ptr + row * DK + offs_k)
-            q_t = tl.load(q_ptr + row * DK + offs_k)
-            v_t = tl.load(v_ptr + row * DV + offs_v, mask=v_mask, other=0.0)
-            decay = tl.exp(tl.load(g_ptr + row))
-            beta = tl.load(b_ptr + row)
-            state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
-            tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
+            state = _delta_rule_at(state, (b * T + t) * H + h, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK, DV)
             hist_off = ((b * HIST_T + t) * H + h) * DK * DV
             tl.store(hist_ptr + hist_off + tile, state, mask=tile_mask)
 
