@@ -193,7 +193,7 @@ def check_draft_len(draft_len: int | None, block_size: int | None) -> int:
 
 
 def check_tree_flag(tree: int, drafter) -> None:
-    """--tree N, checked before any model loads (the model's layers are checked by the Engine)."""
+    """--tree N, checked before any model loads (and again by the Engine)."""
     if tree and not drafter:
         raise QfdError("--tree needs a drafter (--drafter); target-only decoding drafts nothing")
     if tree < 0 or tree == 1:
@@ -203,13 +203,8 @@ def check_tree_flag(tree: int, drafter) -> None:
 def check_tree(tree_size: int | None, tree_width: int, drafter) -> tuple[int, int]:
     """(N, W) for tree verification, or (0, W) for a chain; a user error is one QfdError line."""
     n = int(tree_size or 0)
-    if not n:
-        return 0, int(tree_width)
-    if drafter is None:
-        raise QfdError("--tree needs a drafter (--drafter); target-only decoding drafts nothing")
-    if n < 2:
-        raise QfdError(f"--tree must be at least 2 tokens (the last token and one draft); got {n}")
-    if not 1 <= tree_width <= 64:
+    check_tree_flag(n, drafter)
+    if n and not 1 <= tree_width <= 64:
         raise QfdError(f"--tree-width must be in 1..64; got {tree_width}")
     return n, int(tree_width)
 

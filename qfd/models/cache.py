@@ -174,7 +174,8 @@ class TargetCache:
         """After a tree verify (qfd.tree): keep the tokens of tree nodes `path` (root first,
         relative to the forward's first slot) as the sequence continuing the cache. Their K/V
         move down to consecutive slots; a node's slot is never below its depth, so the gather
-        reads every source before any write can reach it. Attention-only caches."""
+        reads every source before any write can reach it. Gated DeltaNet layers keep the
+        state of the path's last node."""
         if self.kv is None:
             raise ValueError("a tree path can be kept only in a cache from TargetModel.new_cache")
         start, n = self._last_start, len(path)

@@ -37,6 +37,15 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q * q.shape[-1] ** -0.5, k
 
 
+def delta_rule(state, q_t, k_t, v_t, g_t, beta_t):
+    """One token of the gated delta rule: state [B, H, dk, dv], the token's q/k [B, H, dk],
+    v [B, H, dv], g/beta [B, H] (float32). Returns (new state, output [B, H, dv])."""
+    state = state * g_t.exp()[..., None, None]
+    delta = (v_t - torch.einsum("bhk,bhkv->bhv", k_t, state)) * beta_t[..., None]
+    state = state + k_t[..., :, None] * delta[..., None, :]
+    return state, torch.einsum("bhk,bhkv->bhv", q_t, state)
+
+
 def recurrent_gated_delta(q, k, v, g, beta, state, history: torch.Tensor | None = None):
     """Token-by-token gated delta rule.
 
@@ -47,12 +56,8 @@ def recurrent_gated_delta(q, k, v, g, beta, state, history: torch.Tensor | None 
     v, g, beta = v.float(), g.float(), beta.float()
     outs = []
     for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
-        k_t = k[:, t]
-        predicted = torch.einsum("bhk,bhkv->bhv", k_t, state)
-        delta = (v[:, t] - predicted) * beta[:, t, :, None]
-        state = state + k_t[..., :, None] * delta[..., None, :]
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+        state, out = delta_rule(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        outs.append(out)
         if history is not None:
             history[:, t].copy_(state)
     return torch.stack(outs, dim=1), state
@@ -68,11 +73,8 @@ def tree_gated_delta(q, k, v, g, beta, state, parents: torch.Tensor, history: to
     outs = []
     for t in range(q.shape[1]):
         before = state if t == 0 else history.index_select(1, parents[t : t + 1])[:, 0]
-        before = before * g[:, t].exp()[..., None, None]
-        k_t = k[:, t]
-        delta = (v[:, t] - torch.einsum("bhk,bhkv->bhv", k_t, before)) * beta[:, t, :, None]
-        after = before + k_t[..., :, None] * delta[..., None, :]
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], after))
+        after, out = delta_rule(before, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        outs.append(out)
         history[:, t].copy_(after)
     return torch.stack(outs, dim=1)
 
