@@ -31,6 +31,17 @@ if _HAVE_TRITON:
         return state, tl.sum(q_t[:, None] * state, axis=0)
 
     @triton.jit
+    def _state_tile(DV, DK: tl.constexpr, BV: tl.constexpr):
+        """This program's [DK, BV] slice of a [DK, DV] state (dv block = program_id(1)):
+        offsets along k and v, the v mask, the tile's offsets and mask."""
+        offs_k = tl.arange(0, DK)
+        offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+        v_mask = offs_v < DV
+        tile = offs_k[:, None] * DV + offs_v[None, :]
+        tile_mask = (offs_k[:, None] < DK) & v_mask[None, :]
+        return offs_k, offs_v, v_mask, tile, tile_mask
+
+    @triton.jit
     def _delta_rule_at(state, row, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK: tl.constexpr, DV):
         """`_delta_rule` for token `row` of the prepared inputs (q/k [.., DK], v/o [.., DV],
         g/beta [..]): loads them, writes the output, returns the new state."""
@@ -53,11 +64,7 @@ if _HAVE_TRITON:
         state/start [B, H, DK, DV], history [B, HIST_T, H, DK, DV]; all contiguous, float32."""
         bh = tl.program_id(0)
         b, h = bh // H, bh % H
-        offs_k = tl.arange(0, DK)
-        offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
-        v_mask = offs_v < DV
-        tile = offs_k[:, None] * DV + offs_v[None, :]
-        tile_mask = (offs_k[:, None] < DK) & v_mask[None, :]
+        offs_k, offs_v, v_mask, tile, tile_mask = _state_tile(DV, DK, BV)
         state_off = bh * DK * DV
         state = tl.load(s_ptr + state_off + tile, mask=tile_mask, other=0.0)
         tl.store(start_ptr + state_off + tile, state, mask=tile_mask)
@@ -83,11 +90,7 @@ if _HAVE_TRITON:
         is not changed (the engine keeps one node's state afterwards)."""
         bh = tl.program_id(0)
         b, h = bh // H, bh % H
-        offs_k = tl.arange(0, DK)
-        offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
-        v_mask = offs_v < DV
-        tile = offs_k[:, None] * DV + offs_v[None, :]
-        tile_mask = (offs_k[:, None] < DK) & v_mask[None, :]
+        offs_k, offs_v, v_mask, tile, tile_mask = _state_tile(DV, DK, BV)
         state = tl.load(s_ptr + bh * DK * DV + tile, mask=tile_mask, other=0.0)
         for t in range(T):
             if t > 0:
