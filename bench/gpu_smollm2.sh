@@ -8,14 +8,14 @@
 #               as --extra-data), train a stage-1 DFlash drafter within BUDGET_S seconds (run
 #               it again to continue); its manifest, log and plot come back under $OUT, the
 #               weights too in 15 MB parts with WEIGHTS=1 (`cat` them back together)
-#   PHASE=bench end to end on GSM8K test prompts (short; the transformers rows alone take ~3 min
+#   PHASE=bench end to end on GSM8K test prompts (E2E_NUM=0: skip) (short; the transformers rows alone take ~3 min
 #               for 16 prompts), then long few-shot prompts with the
 #               drafter's sliding window (tau before/after SWA)
 # Sizes come from the environment so the same script runs a tiny version on a CPU box:
 #   NUM, GEN_TOKENS, GEN_BATCH, SAMPLE_T (and SAMPLE_T2: a second sampled set, seed 2), EPOCHS or STEPS, GRAD_ACCUM, LR, GAMMA, INIT (a drafter to
 #   warm-start from), BUDGET_S, WEIGHTS,
 #   DEVICE, E2E_NUM, E2E_FLAGS (e.g. "--hf-compile --no-eager"), LONG_NUM (0: skip), SHOTS, WINDOWS,
-#   COMPILE_NUM, COMPILE_FLAGS, DRAFTER (a drafter directory carried in, e.g. .carry/draft5)
+#   COMPILE_NUM, COMPILE_FLAGS, PHASES_NUM, PHASES_FLAGS, DRAFTER (a drafter directory carried in, e.g. .carry/draft5)
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=${QFD_WORK:-$HOME/qfd-work}
@@ -87,7 +87,7 @@ bench)
     setup
     DRAFTER=${DRAFTER:-$ROOT/draft1}
     [ -d "$DRAFTER" ] || DRAFTER=.carry/draft1
-    timeout "${SHORT_S:-420}" python3 "$SRC/bench/bench_e2e.py" --target smollm2-135m --drafter "$DRAFTER" \
+    [ "${E2E_NUM:-16}" = 0 ] || timeout "${SHORT_S:-420}" python3 "$SRC/bench/bench_e2e.py" --target smollm2-135m --drafter "$DRAFTER" \
         --prompts .carry/data/test.jsonl --num "${E2E_NUM:-16}" --max-new-tokens 256 --device "$DEVICE" \
         ${E2E_FLAGS:-} --out "$OUT/e2e_short.json" 2>&1 | grep -v Warning | tee "$OUT/e2e_short.log"
     [ "${LONG_NUM:-8}" = 0 ] || timeout "${LONG_S:-240}" python3 "$SRC/bench/bench_e2e.py" --target smollm2-135m --drafter "$DRAFTER" \
@@ -97,5 +97,8 @@ bench)
     # COMPILE_NUM: short prompts again with the fixed-shape steps torch.compile'd as well
     [ -z "${COMPILE_NUM:-}" ] || timeout "${COMPILE_S:-200}" python3 "$SRC/bench/bench_e2e.py" --target smollm2-135m --drafter "$DRAFTER" \
         --prompts .carry/data/test.jsonl --num "$COMPILE_NUM" --max-new-tokens 256 --device "$DEVICE" \
-        --compile --no-eager --no-hf ${COMPILE_FLAGS:-} --out "$OUT/e2e_compile.json" 2>&1 | grep -v Warning | tee "$OUT/e2e_compile.log" ;;
+        --compile --no-eager --no-hf ${COMPILE_FLAGS:-} --out "$OUT/e2e_compile.json" 2>&1 | grep -v Warning | tee "$OUT/e2e_compile.log"
+    # PHASES_NUM: where a step's time goes, per phase (bench_step_phases.py; PHASES_FLAGS e.g. "--compile --trees 32,64")
+    [ -z "${PHASES_NUM:-}" ] || timeout "${PHASES_S:-300}" python3 "$SRC/bench/bench_step_phases.py" --target smollm2-135m --drafter "$DRAFTER" \
+        --prompts .carry/data/test.jsonl --num "$PHASES_NUM" --device "$DEVICE" ${PHASES_FLAGS:-} --out "$OUT/phases.json" 2>&1 | grep -v Warning | tee "$OUT/phases.log" ;;
 esac

@@ -47,6 +47,14 @@ import torch
 from qfd.errors import QfdError
 from qfd.speculative import SamplingParams, sample, target_probs, verify
 
+# Chunked prefill (Engine(chunked_prefill=...)): a prompt of up to GRAPHED_PREFILL_MAX_TOKENS
+# runs as replays of a captured PREFILL_CHUNK-token step instead of one eager forward. Where
+# the line lies (H200, batch 1, 2026-12-05 figures): an eager prompt forward is launch-bound,
+# ~70-117 ms at Qwen3.5-4B shape for 64 tokens and still ~175-206 ms for 2048, against ~5.4 ms
+# per graphed 16-token verify: chunks win up to ~20 of them. 256 tokens = 16 chunks of 16.
+PREFILL_CHUNK = 16
+GRAPHED_PREFILL_MAX_TOKENS = 256
+
 
 class ContextLengthError(QfdError):
     """The prompt plus the requested tokens do not fit the engine's context."""
@@ -213,7 +221,7 @@ class Engine:
     """One target (+ optional DFlash drafter) with preallocated caches; `generate` serves one
     request at a time (a lock serialises callers)."""
 
-    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool | None = None, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor", draft_vocab: int | None = None, short_block: bool = False, tree_size: int = 0, tree_width: int = 8):
+    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool | None = None, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor", draft_vocab: int | None = None, short_block: bool = False, tree_size: int = 0, tree_width: int = 8, chunked_prefill: bool | None = None):
         from qfd.draft_vocab import draft_head_for
 
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
@@ -245,10 +253,21 @@ class Engine:
         self.tap_layers = tuple(drafter.cfg.target_layer_ids) if drafter is not None else ()
         self.device = target.model.embed_tokens.weight.device
         self.eos_ids = tuple(eos_ids) if eos_ids is not None else default_eos_ids(tokenizer)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        # chunked_prefill (default: with CUDA graphs on a GPU): prompts of up to
+        # GRAPHED_PREFILL_MAX_TOKENS run as replays of a captured step of prefill_chunk tokens
+        # (StaticTargetSteps.prefill) - the tree step when it is that big, else a chain step.
+        if chunked_prefill is None:
+            chunked_prefill = bool(cuda_graphs) and self.device.type == "cuda"
+        self.prefill_chunk = 0
+        if chunked_prefill and (cuda_graphs or compile_steps):
+            self.prefill_chunk = self.tree_size if self.tree_size >= PREFILL_CHUNK else max(PREFILL_CHUNK, self.verify_len)
+        room = max(self.block_size, self.verify_len, self.prefill_chunk)  # a padded last chunk too
         # + block_size (or the tree's N): the last verify of a budget may run past max_len (its tail is discarded).
         # max_verify stays >= 16 whatever k is: prompts up to 16 tokens then take the same GDN
         # kernel (recurrent, not chunked) as in a target-only engine, so prefills match exactly.
-        self.cache = target.new_cache(self.max_len + max(self.block_size, self.verify_len), max_verify=max(16, self.verify_len), static=static_cache)
+        self.cache = target.new_cache(self.max_len + room, max_verify=max(16, self.verify_len), static=static_cache)
         self.draft_cache = drafter.new_cache(self.max_len + self.block_size) if drafter is not None else None
         # The step functions: with cuda_graphs (default: on a CUDA device) the fixed-size verify
         # (and decode) forwards, the drafter's block forward and its context append replay
@@ -263,16 +282,16 @@ class Engine:
         self.draft_step = None
         self.append_step = None  # with CUDA graphs: the drafter's context append as one graph
         self.compile_steps = bool(compile_steps)
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
         self.cuda_graphs = bool(cuda_graphs)
         if cuda_graphs or compile_steps:
             from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps
 
             if not self.cache.static:
-                self.cache = target.new_cache(self.max_len + max(self.block_size, self.verify_len), max_verify=max(16, self.verify_len), static=True)
+                self.cache = target.new_cache(self.max_len + room, max_verify=max(16, self.verify_len), static=True)
             compile_args = dict(compile=self.compile_steps, compile_backend=compile_backend)
             chain_sizes = {1} if self.tree_size else {1, self.verify_len}
+            if self.prefill_chunk and self.prefill_chunk != self.tree_size:
+                chain_sizes.add(self.prefill_chunk)
             self.forward = StaticTargetSteps(target, self.cache, sizes=sorted(chain_sizes), tap_layers=self.tap_layers, tree_size=self.tree_size, **compile_args)
             if drafter is not None:
                 top_k = self.tree_width if self.tree_size else 0
@@ -350,7 +369,10 @@ class _Run:
         if e.draft_cache is not None:
             e.draft_cache.rollback(0)
         ids = torch.tensor([self.prompt], device=e.device)
-        out = e.forward(ids, e.cache, tap_layers=e.tap_layers, last_only=True)
+        if e.prefill_chunk and len(self.prompt) <= GRAPHED_PREFILL_MAX_TOKENS:
+            out = e.forward.prefill(ids, e.prefill_chunk)
+        else:
+            out = e.forward(ids, e.cache, tap_layers=e.tap_layers, last_only=True)
         first = int(sample(target_probs(out.logits[0, -1], self.params), self.generator)) if not self.params.greedy else int(out.logits[0, -1].argmax())
         if e.drafter is not None:
             e.drafter.append_context(e.draft_cache, out.taps, 0)
@@ -417,7 +439,10 @@ class _Run:
         else:
             _, logits = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.draft_head, return_logits=True, num_drafts=e.draft_len, block_len=e.draft_block_len)
             candidates, scores = draft_candidates(logits, e.tree_width, None)
-        tree = pad_tree(build_tree(last, candidates[0].cpu(), scores[0].cpu(), e.tree_size), e.tree_size)
+        # one device-to-host copy (ids < 2**24 are exact in float32): the step's only wait before the tree
+        both = torch.cat([candidates[0].float(), scores[0].float()], dim=-1).cpu()
+        width = candidates.shape[-1]
+        tree = pad_tree(build_tree(last, both[:, :width].long(), both[:, width:], e.tree_size), e.tree_size)
         ids, depths, ancestors = tree_inputs(tree, e.device)
         out = e.forward.verify_tree(ids, e.cache, depths, ancestors, e.tap_layers)
         if self.params.greedy:

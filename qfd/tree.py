@@ -113,11 +113,15 @@ def depth_first(tree: DraftTree) -> DraftTree:
     Then every first child directly follows its parent: the best path is nodes 0, 1, 2, ...
     (kept without moving any K/V), and a Gated DeltaNet kernel carries the state from one
     node to the next except at a branch switch."""
+    kids: list[list[int]] = [[] for _ in tree.parents]  # children in the order they were added: best first
+    for node, parent in enumerate(tree.parents):
+        if parent >= 0:
+            kids[parent].append(node)
     order, stack = [], [0]
     while stack:
         node = stack.pop()
         order.append(node)
-        stack.extend(reversed(tree.children(node)))  # children in the order they were added: best first
+        stack.extend(reversed(kids[node]))
     new_index = {old: new for new, old in enumerate(order)}
     return DraftTree(
         tuple(-1 if tree.parents[i] < 0 else new_index[tree.parents[i]] for i in order),
@@ -197,6 +201,7 @@ def walk_sampling(tree: DraftTree, probs: torch.Tensor, generator: torch.Generat
 def tree_inputs(tree: DraftTree, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the target's tree verify needs (TargetModel.verify_tree): token ids [1, N], node
     depths [N] (RoPE position = committed length + depth) and the ancestor mask [N, N]."""
-    ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
-    depths = torch.tensor(tree.depths, dtype=torch.long, device=device)
-    return ids, depths, tree.ancestor_mask(device)
+    # one host-to-device copy for all three (each copy from pageable memory waits for itself)
+    n = tree.size
+    packed = torch.cat([torch.tensor(tree.tokens + tree.depths, dtype=torch.long), tree.ancestor_mask().view(-1).long()]).to(device)
+    return packed[:n].view(1, n), packed[n : 2 * n], packed[2 * n :].view(n, n).bool()

@@ -113,6 +113,43 @@ class StaticTargetSteps:
         torch.add(step["base"], start, out=step["positions"])
         return self._run(step, size)
 
+    def prefill(self, input_ids: torch.Tensor, chunk: int) -> TargetOutput:
+        """The prompt's forward over this (empty or continued) cache as replays of a captured
+        step of `chunk` tokens - the chain step of that size, else the tree step verifying a
+        chain - the last chunk padded and cut back. Returns the last prompt position's logits
+        [1, 1, V] and every position's taps; the cache then holds exactly the prompt.
+
+        At batch 1 on a GPU an eager forward is launch-bound whatever its length (tens of ms:
+        every op a kernel launch from Python), while a replay costs about one verify step, so
+        a short prompt goes faster as a few replays (Engine: prompts up to
+        GRAPHED_PREFILL_MAX_TOKENS). Same math as the eager prefill, in chunks."""
+        step_size = chunk if chunk in self.steps else None
+        if step_size is None and (self.tree_step is None or self.tree_step["ids"].shape[1] != chunk):
+            raise ValueError(f"no captured step of {chunk} tokens to prefill with")
+        device = input_ids.device
+        if step_size is None:  # a chain as a tree: node i's parent is i - 1
+            depths = torch.arange(chunk, device=device)
+            ancestors = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
+        total, taps, logits = input_ids.shape[1], [], None
+        for lo in range(0, total, chunk):
+            part = input_ids[:, lo : lo + chunk]
+            n = part.shape[1]
+            if n < chunk:  # padding rows: computed, then dropped by the cut below
+                part = torch.cat([part, part[:, -1:].expand(1, chunk - n)], dim=1)
+            start = self.cache.length
+            if step_size is None:
+                out = self.verify_tree(part, self.cache, depths, ancestors, self.tap_layers)
+                self.cache.keep_tree_path(list(range(n)))
+            else:
+                out = self(part, self.cache, self.tap_layers)
+                if n < chunk:
+                    self.cache.rollback(start + n)
+            if self.tap_layers:  # out lives in static buffers the next replay overwrites
+                taps.append(out.taps[:, :n].clone())
+            if lo + chunk >= total:
+                logits = out.logits[:, n - 1 : n].clone()
+        return TargetOutput(logits, torch.cat(taps, dim=1) if taps else None)
+
     def verify_tree(self, input_ids: torch.Tensor, cache, depths: torch.Tensor, ancestors: torch.Tensor, tap_layers: Sequence[int] = ()) -> TargetOutput:
         """`TargetModel.verify_tree` replayed: a tree of `tree_size` nodes over this cache."""
         step = self.tree_step
