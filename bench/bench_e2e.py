@@ -68,15 +68,16 @@ def run_engine(engine, prompt_ids, max_new) -> dict:
 
     config = GenerationConfig(max_new_tokens=max_new)
     engine.generate(prompt_ids[0], GenerationConfig(max_new_tokens=16))  # warm-up (and graph capture effects)
-    outputs, tokens, seconds, taus = [], 0, 0.0, []
+    outputs, tokens, seconds, taus, ttfts = [], 0, 0.0, [], []
     for ids in prompt_ids:
         result = engine.generate(ids, config)
         outputs.append(result.tokens)
         tokens += len(result.tokens)
         seconds += result.stats.total_s
+        ttfts.append(result.stats.ttft_s)
         if result.stats.steps:
             taus.append(result.stats.tau)
-    return {"outputs": outputs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": sum(taus) / len(taus) if taus else None}
+    return {"outputs": outputs, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "tau": sum(taus) / len(taus) if taus else None, "ttft_ms": 1e3 * sum(ttfts) / len(ttfts)}
 
 
 def run_hf(model_dir, prompt_ids, max_new, device, dtype, compile_: bool) -> dict:
@@ -215,10 +216,10 @@ def main() -> None:
     from rich.table import Table
 
     table = Table(title=f"end to end, {args.num} GSM8K test prompts ({args.few_shot}-shot, {prompt_tokens:.0f} prompt tokens on average), {args.max_new_tokens} new tokens, T=0{', INT4 LM head (qfd rows)' if args.int4_head else ''}, {torch.cuda.get_device_name() if graphs else 'cpu'}")
-    for col in ("system", "tokens/s", f"x {base_key}", "tau", "identical outputs"):
+    for col in ("system", "tokens/s", f"x {base_key}", "tau", "TTFT ms", "identical outputs"):
         table.add_column(col, justify="right")
     for name, row in rows.items():
-        table.add_row(name, f"{row['tokens_per_s']:.1f}", f"{row['speedup_vs_qfd_target_only']:.2f}", "" if row["tau"] is None else f"{row['tau']:.2f}", str(row.get("identical_to_target_only", "")))
+        table.add_row(name, f"{row['tokens_per_s']:.1f}", f"{row['speedup_vs_qfd_target_only']:.2f}", "" if row["tau"] is None else f"{row['tau']:.2f}", f"{row['ttft_ms']:.1f}" if "ttft_ms" in row else "", str(row.get("identical_to_target_only", "")))
     Console().print(table)
     args.out.write_text(json.dumps({"device": str(device), "num": args.num, "few_shot": args.few_shot, "prompt_tokens_mean": prompt_tokens, "max_new_tokens": args.max_new_tokens, "int4_head": args.int4_head, "rows": rows}, indent=2))
 
