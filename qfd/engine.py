@@ -264,7 +264,8 @@ class Engine:
         if chunked_prefill and (cuda_graphs or compile_steps):
             self.prefill_chunk = self.tree_size if self.tree_size >= PREFILL_CHUNK else max(PREFILL_CHUNK, self.verify_len)
         room = max(self.block_size, self.verify_len, self.prefill_chunk)  # a padded last chunk too
-        # + block_size (or the tree's N): the last verify of a budget may run past max_len (its tail is discarded).
+        # + room: the last verify of a budget (block_size, or the tree's N) may run past max_len
+        # (its tail is discarded), and so may a padded last prefill chunk (cut back after).
         # max_verify stays >= 16 whatever k is: prompts up to 16 tokens then take the same GDN
         # kernel (recurrent, not chunked) as in a target-only engine, so prefills match exactly.
         self.cache = target.new_cache(self.max_len + room, max_verify=max(16, self.verify_len), static=static_cache)
