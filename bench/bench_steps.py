@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from qfd.engine import GRAPHED_PREFILL_MAX_TOKENS, PREFILL_CHUNK  # noqa: E402
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
 from qfd.models.fuse import fuse_projections, fusion_enabled  # noqa: E402
 from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps  # noqa: E402
@@ -155,6 +156,13 @@ def target_costs(model, max_len, block, measure, device, taps, compile_steps=Fal
                 model(prompt, cache, tap_layers=taps, last_only=True)
 
             out[f"prefill_{name}_ms"] = measure(prefill, iters=5, warmup=1)
+            if n_in <= GRAPHED_PREFILL_MAX_TOKENS and block >= PREFILL_CHUNK:  # as the Engine serves a short prompt
+
+                def prefill_chunked():
+                    cache.reset()
+                    steps.prefill(prompt, block)
+
+                out[f"prefill_chunked_{name}_ms"] = measure(prefill_chunked, iters=5, warmup=1)
             one = torch.randint(0, model.config.vocab_size, (1, 1), device=device)
             blk = torch.randint(0, model.config.vocab_size, (1, block), device=device)
 
@@ -273,10 +281,16 @@ LEDGER = (
 )
 
 
+def served_prefill(costs: dict, name: str) -> float:
+    """The prefill the Engine would run: graphed chunks for a short prompt when timed, else eager."""
+    return costs.get(f"prefill_chunked_{name}_ms", costs[f"prefill_{name}_ms"])
+
+
 def ledger(results: dict, tau: float, settings) -> list[dict]:
     """Projected latency (ms) per setting of each LEDGER system, from the measured step costs:
     target-only = prefill + out * decode; speculative = INT4 prefill + ceil(out / tau) *
-    (draft + INT4 verify + rollback + append) with the drafter costs at the prompt's context."""
+    (draft + INT4 verify + rollback + append) with the drafter costs at the prompt's context.
+    The prefill is the one the Engine serves (`served_prefill`)."""
     b, q, d = results.get("bf16", {}), results.get("int4", {}), results.get("drafter", {})
     rows = []
     for name, (n_in, n_out) in SETTINGS.items():
@@ -286,13 +300,13 @@ def ledger(results: dict, tau: float, settings) -> list[dict]:
         for system, drafter in LEDGER:
             if drafter is None:
                 costs = b if system.startswith("BF16") else q
-                row[system] = costs[f"prefill_{name}_ms"] + n_out * costs[f"decode_{name}_ms"]
+                row[system] = served_prefill(costs, name) + n_out * costs[f"decode_{name}_ms"]
                 continue
             label = f"{drafter[0]}_w{drafter[1]}_ctx{n_in}"
             if f"draft_{label}_ms" not in d:  # a run cut short before this drafter: no row
                 continue
             step = d[f"draft_{label}_ms"] + q[f"verify_rollback_{name}_ms"] + d[f"append_{label}_ms"]
-            row[system] = q[f"prefill_{name}_ms"] + math.ceil(n_out / tau) * step
+            row[system] = served_prefill(q, name) + math.ceil(n_out / tau) * step
             row[f"{system} step_ms"] = step
         rows.append(row)
     return rows
@@ -415,12 +429,13 @@ def report(results: dict) -> None:
     if any(f"{final} step_ms" in r for r in rows):
         console.print(steps)
     target = Table(title=f"target step costs, ms ({kind})")
-    for col in ("setting", "bf16 decode", "bf16 verify", "int4 decode", "int4 verify", "int4 verify+rollback", "int4 prefill"):
+    for col in ("setting", "bf16 decode", "bf16 verify", "int4 decode", "int4 verify", "int4 verify+rollback", "int4 prefill (eager)", "int4 prefill (graphed chunks)"):
         target.add_column(col, justify="right")
     for name in results["settings"]:
         keys = [(t, f"{step}_{name}_ms") for t, step in (("bf16", "decode"), ("bf16", "verify"), ("int4", "decode"), ("int4", "verify"), ("int4", "verify_rollback"), ("int4", "prefill"))]
         if all(k in results.get(t, {}) for t, k in keys):
-            target.add_row(name, *(f"{results[t][k]:.3f}" for t, k in keys))
+            chunked = results["int4"].get(f"prefill_chunked_{name}_ms")
+            target.add_row(name, *(f"{results[t][k]:.3f}" for t, k in keys), "-" if chunked is None else f"{chunked:.3f}")
     console.print(target)
     if results.get("tree"):
         trees = Table(title=f"draft-tree verify of {results['tree']} tokens + keep of its deepest path, ms ({kind})")
@@ -444,7 +459,7 @@ def report(results: dict) -> None:
         table.add_row(system, *cells, *mean)
     if rows:
         console.print(table)
-        console.print("target-only = prefill + out * decode; speculative = prefill_int4 + ceil(out / tau) * (draft + verify_int4 + rollback + append): a projection from measured step costs at the given tau, not an end-to-end run")
+        console.print(f"target-only = prefill + out * decode; speculative = prefill_int4 + ceil(out / tau) * (draft + verify_int4 + rollback + append): a projection from measured step costs at the given tau, not an end-to-end run; the prefill is graphed chunks where the Engine uses them (prompts <= {GRAPHED_PREFILL_MAX_TOKENS} tokens), else eager")
     big = max([int(k.rsplit("ctx", 1)[1][:-3]) for k in d if k.startswith("draft_")] or [0])
     for precision in ("bf16", "int4"):
         if f"draft_{precision}_w1024_ctx{big}_ms" in d and f"draft_{precision}_wfull_ctx{big}_ms" in d:
