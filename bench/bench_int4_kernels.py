@@ -15,6 +15,11 @@ The shapes: every linear of a Qwen3.5-4B layer, the fused groups qfd runs (qfd.m
 gate+up, GDN qkv+z+b+a, attention q+k+v), the drafter's own and the 248K-row LM head.
 
     python bench/bench_int4_kernels.py [--rows 1,16] [--sweep] [--hot] [--out int4_kernels.json]
+    python bench/bench_int4_kernels.py --ab [--rows 1,16,32]   # the served config vs its variants
+
+--ab times, per shape and row count, the config Int4Linear serves against the same launch with
+the 16-bit MAGIC + u weight operand (KernelConfig.magic), the tensor-core path for one row, and
+for more than 16 rows one 32-row block instead of two 16-row ones (each dequantizes the weight).
 
 Needs CUDA (and Triton for the Triton rows).
 """
@@ -102,6 +107,7 @@ def main() -> None:
     p.add_argument("--write-tuned", nargs="?", const="", default=None, metavar="PATH",
                    help="with --sweep: write each shape's best config as the GPU's tuned table, which Int4Linear's "
                         "Triton kernel then uses (default PATH: qfd/kernels/tuned/<GPU name>.json)")
+    p.add_argument("--ab", action="store_true", help="the served config against its variants (magic operand, dot for one row, 32-row blocks), side by side")
     p.add_argument("--out", type=Path, default=Path("int4_kernels.json"))
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -150,6 +156,8 @@ def main() -> None:
 
             row["triton_us"] = timed(None, "triton_rel_err")
             row["triton_config"] = vars(int4_triton.pick_config(m, n, k))
+            if args.ab:
+                row["variants"] = {label: {"us": timed(cfg, "rel_err"), "rel_err": row.pop("rel_err", None), **vars(cfg)} for label, cfg in ab_variants(m, n, k)}
             if args.sweep:
                 best = None
                 for cfg in sweep_configs(m):
@@ -178,6 +186,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    if args.ab:
+        ab_table(results["rows"])
     table = Table(title=f"INT4 W4A16 matmul, us per call inside a CUDA graph ({results['device']}, group {args.group_size}); x = vs bf16")
     for col in ("linear", "N x K", "rows", "bf16", "tinygemm", "triton", "triton best (sweep)", "triton rel err"):
         table.add_column(col, justify="right")
@@ -212,6 +222,53 @@ def main() -> None:
     save()
     if args.write_tuned is not None and args.sweep:
         print(f"tuned configs for {results['device']}: {write_tuned(args.write_tuned, results)}")
+
+
+def ab_variants(m: int, n: int, k: int):
+    """(label, KernelConfig) of what --ab times against the served config (label "served")."""
+    served = int4_triton.pick_config(m, n, k, torch.device("cuda"))
+    yield "served", served
+    if served.use_dot:
+        yield "magic", replace(served, magic=True)
+    if m == 1:  # the tensor-core path for one row (15 of its 16 rows masked), exact and magic
+        dot = int4_triton.heuristic_config(16, n, k)
+        yield "dot", replace(dot, magic=False)
+        yield "dot+magic", replace(dot, magic=True)
+    if 16 < m <= 32:  # one block of 32 rows: the weight dequantized once, not twice
+        yield "bm32", replace(served, block_m=32, magic=False)
+        yield "bm32+magic", replace(served, block_m=32, magic=True)
+
+
+def ab_table(rows: list[dict]) -> None:
+    """Per row count: each variant's us per shape and summed over the fused shapes qfd runs, x the served config."""
+    from rich.console import Console
+    from rich.table import Table
+
+    for m in sorted({r["m"] for r in rows if "variants" in r}):
+        of_m = [r for r in rows if r["m"] == m and "variants" in r]
+        labels = list(dict.fromkeys(label for r in of_m for label in r["variants"]))
+        table = Table(title=f"INT4 kernel variants, {m} row(s): us per call in a CUDA graph (x served); rel err vs the float32 reference")
+        for col in ("linear", "N x K", *labels):
+            table.add_column(col, justify="right")
+        totals = dict.fromkeys(labels, 0.0)
+        for r in of_m:
+            base = r["variants"]["served"]["us"]
+            cells = []
+            for label in labels:
+                v = r["variants"].get(label)
+                if v is None:
+                    cells.append("-")
+                    continue
+                cells.append(f"{v['us']:.1f} ({base / v['us']:.2f}x)" + (f" {v['rel_err']:.0e}" if v["rel_err"] is not None else ""))
+                if r["shape"] not in [sh[0] for sh in SHAPES[:UNFUSED]] and r["shape"] != "lm_head":
+                    totals[label] += v["us"]
+            table.add_row(r["shape"], f"{r['n']}x{r['k']}", *cells)
+        for label in labels:  # a sum over only some shapes compares nothing
+            if any(label not in r["variants"] for r in of_m):
+                totals[label] = 0.0
+        if totals["served"]:
+            table.add_row("sum: fused + drafter shapes", "", *(f"{totals[label]:.1f} ({totals['served'] / totals[label]:.2f}x)" if totals[label] else "-" for label in labels))
+        Console().print(table)
 
 
 def write_tuned(where: str, results: dict) -> str:

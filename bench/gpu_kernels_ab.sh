@@ -8,18 +8,24 @@
 #   COMPILE=1    the same two runs torch.compile'd (minutes of compilation each)
 #   VARIANTS     which runs (default "reference fused"): reference (torch GDN recurrence, single
 #                values GEMM), conv_in_torch (the GDN step kernel without the conv and gates
-#                folded in), unfused (q/k/v, gate/up, GDN in_proj_* separate), fused (all of it)
+#                folded in), unfused (q/k/v, gate/up, GDN in_proj_* separate), fused (all of it),
+#                magic (fused, the INT4 tensor-core path's 16-bit MAGIC + u operand: QFD_INT4_MAGIC=1)
+#   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
+#                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks)
 #   TREE=N       also a draft-tree verify of N tokens + keep per setting (bench_steps --tree N)
-export PYTHONPATH=${QFD_SRC:-$PWD} PYTHONUNBUFFERED=1
+export PYTHONPATH=${QFD_SRC:-$PWD} PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-180}
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 (cd "$SRC" && timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py tests/test_int4_dequant.py 2>&1 | tail -3)
+[ -z "${INT4_AB:-}" ] || timeout "${INT4_AB_S:-150}" python3 "$SRC/bench/bench_int4_kernels.py" --ab --rows 1,16,32 --out "$OUT/int4_ab.json" 2>&1 | grep -v Warning | tee "$OUT/int4_ab.log" | tail -60
 for variant in ${VARIANTS:-reference fused}; do
     flags=""
+    magic=0
+    [ "$variant" = magic ] && magic=1
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
-    timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+    QFD_INT4_MAGIC=$magic timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"

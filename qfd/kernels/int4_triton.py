@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -180,9 +181,15 @@ if _HAVE_TRITON:
         M, N, K, KT, stride_xm, stride_ym,
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
-        DOT_IEEE: tl.constexpr,
+        DOT_IEEE: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,
     ):
-        """One program: rows [BM*pid_m, +BM) x outputs [BN*pid_n, +BN) x K tiles of split pid_k."""
+        """One program: rows [BM*pid_m, +BM) x outputs [BN*pid_n, +BN) x K tiles of split pid_k.
+
+        MAGIC_BITS > 0 (tensor-core path, x bf16 / fp16): the dot's weight operand is built in
+        x's 16-bit format straight from the nibble - u | MAGIC_BITS is MAGIC + u exactly (bf16
+        0x4300 = 128, fp16 0x6400 = 1024: integers are exact there) - so a weight costs a shift
+        and a mask-or, with no float subtract and no fp32 -> 16-bit conversion. The offset comes
+        off per group: sum x (MAGIC + u) - (MAGIC + z) sum x = sum x (u - z), fp32 accumulation."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -198,6 +205,7 @@ if _HAVE_TRITON:
 
         if USE_DOT:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
+            xg = tl.zeros((BM,), dtype=tl.float32)  # MAGIC_BITS: the group's sum of x per row
         else:
             acc = tl.zeros((16, BN), dtype=tl.float32)  # reduced over its 16 rows at the end
         q_rows = q_ptr + offs_p[:, None] * N + offs_n[None, :]
@@ -213,35 +221,49 @@ if _HAVE_TRITON:
                 if (j * 16) % GROUP == 0:  # a new group starts at this K slice: its scale/zero
                     g = k0 // GROUP
                     s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                    offset = MAGIC if MAGIC_BITS > 0 else 8388608.0  # 2^23 below
                     if HAS_ZEROS:
-                        c = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + 8388608.0
+                        c = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + offset
                     else:
-                        c = tl.full((BN,), 8388616.0, tl.float32)  # 2^23 + 8
-                bits = ((p_cur >> (4 * j)) & 0xF) | 0x4B000000
-                w = bits.to(tl.float32, bitcast=True) - c[None, :]  # [16, BN] exact q - z
+                        c = tl.full((BN,), 8.0, tl.float32) + offset
                 offs_k = k0 + offs_p
-                if USE_DOT:
+                if MAGIC_BITS > 0:
+                    w = (((p_cur >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.int16).to(x_dtype, bitcast=True)  # [16, BN] MAGIC + u
                     xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+                    xs = tl.sum(xj.to(tl.float32), axis=1)
                     if (j * 16) % GROUP == 0:
-                        if DOT_IEEE:
-                            part = tl.dot(xj, w.to(x_dtype), input_precision="ieee")
-                        else:
-                            part = tl.dot(xj, w.to(x_dtype))
+                        part = tl.dot(xj, w)
+                        xg = xs
                     else:
-                        if DOT_IEEE:
-                            part = tl.dot(xj, w.to(x_dtype), part, input_precision="ieee")
-                        else:
-                            part = tl.dot(xj, w.to(x_dtype), part)
-                    if ((j + 1) * 16) % GROUP == 0 or j == 7:  # group (or tile) ends: scale it
-                        acc += part * s[None, :]
+                        part = tl.dot(xj, w, part)
+                        xg += xs
+                    if ((j + 1) * 16) % GROUP == 0 or j == 7:  # group (or tile) ends: offset off, scale
+                        acc += (part - xg[:, None] * c[None, :]) * s[None, :]
                 else:
-                    xj = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                    if (j * 16) % GROUP == 0:
-                        part = w * xj[:, None]
+                    bits = ((p_cur >> (4 * j)) & 0xF) | 0x4B000000
+                    w = bits.to(tl.float32, bitcast=True) - c[None, :]  # [16, BN] exact q - z
+                    if USE_DOT:
+                        xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+                        if (j * 16) % GROUP == 0:
+                            if DOT_IEEE:
+                                part = tl.dot(xj, w.to(x_dtype), input_precision="ieee")
+                            else:
+                                part = tl.dot(xj, w.to(x_dtype))
+                        else:
+                            if DOT_IEEE:
+                                part = tl.dot(xj, w.to(x_dtype), part, input_precision="ieee")
+                            else:
+                                part = tl.dot(xj, w.to(x_dtype), part)
+                        if ((j + 1) * 16) % GROUP == 0 or j == 7:  # group (or tile) ends: scale it
+                            acc += part * s[None, :]
                     else:
-                        part += w * xj[:, None]
-                    if ((j + 1) * 16) % GROUP == 0 or j == 7:
-                        acc += part * s[None, :]
+                        xj = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+                        if (j * 16) % GROUP == 0:
+                            part = w * xj[:, None]
+                        else:
+                            part += w * xj[:, None]
+                        if ((j + 1) * 16) % GROUP == 0 or j == 7:
+                            acc += part * s[None, :]
 
         if USE_DOT:
             out = acc
@@ -350,6 +372,14 @@ class KernelConfig:
     num_stages: int = 1
     tiles: int = 0
     offset_sum: bool = False
+    magic: bool | None = None  # tensor-core path, 16-bit x: the MAGIC_BITS operand (None: MAGIC_DOT)
+
+
+# The tensor-core path's weight operand built straight in 16 bits (`_int4_mm_kernel`'s
+# MAGIC_BITS) for configs that do not say: QFD_INT4_MAGIC=1 turns it on, for side-by-side runs
+# until the H200 has timed it (bench/bench_int4_kernels.py --ab).
+MAGIC_DOT = os.environ.get("QFD_INT4_MAGIC", "0") == "1"
+_MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # bit pattern of MAGIC, MAGIC
 
 
 # Tuned launch configs per GPU model: qfd/kernels/tuned/<device name>.json, written by
@@ -435,12 +465,15 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
     if grid_n * grid_m > packed.counters.numel():
         split = 1
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    magic = cfg.use_dot and (MAGIC_DOT if cfg.magic is None else cfg.magic) and x.dtype in _MAGIC
+    magic_bits, magic_value = _MAGIC[x.dtype] if magic else (0, 0.0)
     _int4_mm_kernel[(grid_n, split, grid_m)](
         x2, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
         bias if bias is not None else packed.scales, y, ws, packed.counters,
         m, n, k, packed.qweight.shape[0] // 16, x2.stride(0), y.stride(0),
         GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
         BM=bm, BN=cfg.block_n, SPLIT_K=split, USE_DOT=cfg.use_dot, DOT_IEEE=x.dtype == torch.float32,
+        MAGIC_BITS=magic_bits, MAGIC=magic_value,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return y.reshape(*lead, n)
