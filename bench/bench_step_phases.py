@@ -9,7 +9,11 @@ do. The syncs add a little to every step; the "step, not instrumented" row (the 
 run again without them, same engine) is the true cost, and the table prints both.
 
     python bench/bench_step_phases.py --target smollm2-135m --drafter DIR [--prompts test.jsonl]
-        [--num 4] [--max-new-tokens 256] [--trees 32] [--compile] [--device cuda] [--out phases.json]
+        [--num 4] [--max-new-tokens 256] [--trees 32] [--compile] [--profile] [--device cuda] [--out phases.json]
+
+--profile adds the kernels of one replay of each graphed step of the chain engine - the target's
+decode and 16-token verify, the drafter's draft and context append - after its run
+(bench_steps.kernel_profile: time and launches per step, top kernels).
 """
 
 from __future__ import annotations
@@ -132,6 +136,45 @@ def measure(engine, prompt_ids, max_new: int, device) -> dict:
     return {"phases_ms": phases, "step_instrumented_ms": 1e3 * decode_s / steps, "step_ms": 1e3 * plain_s / plain_steps, "tau": tau, "tokens": tokens, "decode_tokens_per_s": tokens / plain_s}
 
 
+def step_profiles(engine, device) -> dict:
+    """Kernel profiles of one call of each of the engine's steps, on its caches as the last
+    generation left them (the target's calls are rolled back after each: same work every call)."""
+    from bench_steps import kernel_profile
+
+    cache, start = engine.cache, engine.cache.length
+    block = torch.zeros(1, engine.verify_len, dtype=torch.long, device=device)
+
+    def target(ids):
+        def call():
+            engine.forward(ids, cache, tap_layers=engine.tap_layers)
+            cache.rollback(start)
+
+        return call
+
+    out = {"target decode": kernel_profile(target(block[:, :1]), device), f"target verify {engine.verify_len}": kernel_profile(target(block), device)}
+    if engine.draft_step is not None:
+        context = engine.draft_cache.length
+        out["drafter draft"] = kernel_profile(lambda: engine.draft_step(1, context), device)
+        if engine.append_step is not None:
+            width = engine.drafter.cfg.target_hidden_size * len(engine.tap_layers)
+            taps = torch.zeros(1, engine.verify_len, width, dtype=next(engine.drafter.parameters()).dtype, device=device)
+            out["drafter append"] = kernel_profile(lambda: engine.append_step(taps, context - engine.verify_len), device)
+    return out
+
+
+def print_profiles(profiles: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    for step, prof in profiles.items():
+        t = Table(title=f"{step}: {prof['kernel_us_per_step']:.0f} us of kernels in {prof['kernels_per_step']:.0f} launches per call (top kernels)")
+        for col in ("kernel", "us / call", "calls"):
+            t.add_column(col, justify="right" if col != "kernel" else "left")
+        for r in prof["top"][:12]:
+            t.add_row(r["name"][:90], f"{r['us_per_step']:.1f}", f"{r['calls_per_step']:.0f}")
+        Console().print(t)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
@@ -142,6 +185,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--trees", default="32", help="comma-separated tree sizes N (0 or empty: none)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fixed-shape steps (Engine(compile_steps=True))")
+    p.add_argument("--profile", action="store_true", help="also the kernels of one call of each of the chain engine's steps")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, default=Path("bench_step_phases.json"))
     args = p.parse_args()
@@ -168,6 +212,8 @@ def main() -> None:
     for name, engine_args in systems.items():
         engine = Engine(target, tokenizer, max_len=args.max_len, compile_steps=args.compile, **engine_args)
         results["systems"][name] = measure(engine, prompt_ids, args.max_new_tokens, device)
+        if args.profile and name == "chain":
+            results["profiles"] = step_profiles(engine, device)
         args.out.write_text(json.dumps(results, indent=2))  # after every system: a cut run keeps what it has
         del engine
 
@@ -184,6 +230,7 @@ def main() -> None:
     table.add_row("tau", *(f"{r['tau']:.2f}" for r in rows.values()))
     table.add_row("decode tokens/s", *(f"{r['decode_tokens_per_s']:.1f}" for r in rows.values()))
     Console().print(table)
+    print_profiles(results.get("profiles", {}))
 
 
 if __name__ == "__main__":
