@@ -210,16 +210,19 @@ class StaticDraftStep:
 
     def _forward(self) -> torch.Tensor:
         d, cache = self.drafter, self.cache
-        # context slot j holds position start - S + j; negative positions do not exist
-        context_positions = self.start - self.window + self.slots
-        visible = context_positions >= 0
-        index = context_positions.clamp_min(0)
+        whole = self.window == cache.max_len  # the block sees the whole cache: slot j is position j
+        if whole:  # no gather: every layer attends to its cache as it lies, positions >= start masked
+            visible = self.slots < self.start
+        else:  # a sliding window: context slot j holds position start - S + j; negative positions do not exist
+            context_positions = self.start - self.window + self.slots
+            visible = context_positions >= 0
+            index = context_positions.clamp_min(0)
         mask = torch.cat([visible, torch.ones_like(self.block_offsets, dtype=torch.bool)]).expand(self.block_len, -1)
         h = d._block_inputs(self.first, self.embed, self.block_len)
         positions = (self.start + self.block_offsets).view(1, -1)
         for i, layer in enumerate(d.layers):
-            k_ctx = cache.k[i].index_select(2, index)
-            v_ctx = cache.v[i].index_select(2, index)
+            k_ctx = cache.k[i] if whole else cache.k[i].index_select(2, index)
+            v_ctx = cache.v[i] if whole else cache.v[i].index_select(2, index)
             h = layer(h, positions, k_ctx, v_ctx, mask)
         hidden = d.norm(h[:, 1 : 1 + self.num_drafts])
         weight = getattr(self.head, "weight", None)
