@@ -299,6 +299,12 @@ class Engine:
                 self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=self.draft_head, num_drafts=self.draft_len, block_len=self.draft_block_len, top_k=top_k, **compile_args)
                 if self.draft_step.use_graphs:  # the CPU keeps the eager append: it projects only the n rows
                     self.append_step = StaticAppendStep(drafter, self.draft_cache, rows=self.draft_len + 1)
+        # prefetch_draft (with a graphed drafter on a GPU): a step ends by launching the next
+        # step's draft, so the GPU drafts while the host commits the step's tokens (detokenise,
+        # stops, stream) instead of waiting for it; the next step takes that draft when it is
+        # for the same (last token, position). A generation that ends there wastes one draft.
+        self.prefetch_draft = self.draft_step is not None and self.device.type == "cuda"
+        self._pinned: torch.Tensor | None = None  # host buffer of the tree drafts' one copy
         self._lock = threading.Lock()
         self.on_step: Callable[[dict], None] | None = None  # test hook: called after every rollback
 
@@ -356,6 +362,8 @@ class _Run:
         self.emitted = 0  # characters of self.text already given to on_tokens
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=engine.verify_len)
         self.accepted_counts = [0] * engine.draft_len
+        self.prefetched: tuple | None = None  # (last token, position, draft) launched ahead
+        self.prefetch_hits = 0
         self.generator = torch.Generator(device=engine.device)
         if config.seed is not None:
             self.generator.manual_seed(config.seed)
@@ -401,16 +409,49 @@ class _Run:
         block = torch.tensor([[last]], device=e.device)
         drafts = block[0, 1:]
         if e.drafter is not None:
-            if e.draft_step is not None:
-                drafts = e.draft_step(last, L)[0]
-            else:
-                drafts = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.draft_head, num_drafts=e.draft_len, block_len=e.draft_block_len)[0]
+            drafts = self.drafted(last, L)
             block = torch.cat([block, drafts.view(1, -1).to(block.dtype)], dim=1)
         out = e.forward(block, e.cache, tap_layers=e.tap_layers)
         verdict = verify(drafts, out.logits[0], self.params, None, self.generator)
         n = verdict.accepted
         e.cache.rollback(L + n + 1)
         return self.after_verify(n, verdict.tokens, out.taps[:, : n + 1] if e.drafter is not None else None, L)
+
+    def launch_draft(self, last: int, start: int):
+        """The drafter's block after token `last` at position `start`, launched: a chain's
+        drafts [k] on the device; a tree's candidate ids and scores as one float32 [k, 2w]
+        copy to the host, under way (host tensor, CUDA event or None)."""
+        e = self.e
+        if not e.tree_size:
+            if e.draft_step is not None:
+                return e.draft_step(last, start)[0]
+            return e.drafter.draft(e.draft_cache, last, start, embed=e.target.embed, head=e.draft_head, num_drafts=e.draft_len, block_len=e.draft_block_len)[0]
+        from qfd.models.graphs import draft_candidates
+
+        if e.draft_step is not None:
+            candidates, scores = e.draft_step(last, start)
+        else:
+            _, logits = e.drafter.draft(e.draft_cache, last, start, embed=e.target.embed, head=e.draft_head, return_logits=True, num_drafts=e.draft_len, block_len=e.draft_block_len)
+            candidates, scores = draft_candidates(logits, e.tree_width, None)
+        # one device-to-host copy (ids < 2**24 are exact in float32): the step's only wait before the tree
+        both = torch.cat([candidates[0].float(), scores[0].float()], dim=-1)
+        if not both.is_cuda:
+            return both, None
+        if e._pinned is None or e._pinned.shape != both.shape:
+            e._pinned = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        e._pinned.copy_(both, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return e._pinned, done
+
+    def drafted(self, last: int, start: int):
+        """`launch_draft(last, start)`'s result: the one the previous step launched ahead when
+        it is for this token and position, else launched now."""
+        ahead, self.prefetched = self.prefetched, None
+        if ahead is not None and ahead[:2] == (last, start):
+            self.prefetch_hits += 1
+            return ahead[2]
+        return self.launch_draft(last, start)
 
     def after_verify(self, n: int, tokens: list[int], taps: torch.Tensor | None, start: int) -> tuple[int, list[int]]:
         """After a verify kept n drafts: the drafter's context gets the committed tokens' taps
@@ -426,23 +467,21 @@ class _Run:
             self.accepted_counts[k] += 1
         if e.on_step is not None:
             e.on_step({"committed": self.prompt + self.tokens + tokens[:-1], "cache": e.cache, "draft_cache": e.draft_cache, "accepted": n})
+        if e.prefetch_draft and e.drafter is not None:  # the next step's draft, while the host commits this one
+            self.prefetched = (tokens[-1], e.cache.length, self.launch_draft(tokens[-1], e.cache.length))
         return n, tokens
 
     def tree_step(self) -> tuple[int, list[int]]:
         """As `step`, verifying a draft tree (qfd.tree) instead of a chain."""
-        from qfd.models.graphs import draft_candidates
         from qfd.tree import build_tree, pad_tree, tree_inputs, walk_greedy, walk_sampling
 
         e = self.e
         L, last = e.cache.length, self.tokens[-1]
-        if e.draft_step is not None:
-            candidates, scores = e.draft_step(last, L)
-        else:
-            _, logits = e.drafter.draft(e.draft_cache, last, L, embed=e.target.embed, head=e.draft_head, return_logits=True, num_drafts=e.draft_len, block_len=e.draft_block_len)
-            candidates, scores = draft_candidates(logits, e.tree_width, None)
-        # one device-to-host copy (ids < 2**24 are exact in float32): the step's only wait before the tree
-        both = torch.cat([candidates[0].float(), scores[0].float()], dim=-1).cpu()
-        width = candidates.shape[-1]
+        both, done = self.drafted(last, L)
+        if done is not None:
+            done.synchronize()
+        both = both.cpu().clone()  # the pinned buffer is the next launch's
+        width = both.shape[-1] // 2
         tree = pad_tree(build_tree(last, both[:, :width].long(), both[:, width:], e.tree_size), e.tree_size)
         ids, depths, ancestors = tree_inputs(tree, e.device)
         out = e.forward.verify_tree(ids, e.cache, depths, ancestors, e.tap_layers)
