@@ -166,3 +166,38 @@ def test_the_tree_op_continues_each_node_from_its_parent():
 def test_tree_kernel_matches_the_torch_recurrence_along_every_path():
     assert runs_on(torch.zeros(1, device=KERNEL_DEVICE))
     check_tree_step(KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("T,chunk", [(37, 16), (64, 16), (5, 32)])
+def test_chunked_form_equals_the_recurrence(T, chunk):
+    """`chunked_gated_delta` (long prompts) gives the token-by-token recurrence's outputs and
+    final state, whichever walks its chunks (torch loop here on CI; the kernel under Triton)."""
+    from qfd.models.gdn import chunked_gated_delta
+
+    q, k, v, g, beta, state = step_inputs(B=2, T=T, dk=32, dv=48)
+    expected, final = recurrent_gated_delta(q, k, v, g, beta, state)
+    out, got_final = chunked_gated_delta(q, k, v, g, beta, state, chunk_size=chunk)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_final, final, rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("dv", [48, 16])
+def test_chunk_recurrence_kernel_matches_the_torch_walk(dv):
+    from qfd.kernels import gdn_chunk_triton
+    from qfd.models.gdn import chunk_recurrence
+
+    torch.manual_seed(1)
+    B, H, n, C, dk = 2, 3, 4, 16, 32
+    shape = (B, H, n, C)
+    kc, qs, ks = (torch.randn(*shape, dk, device=KERNEL_DEVICE) * 0.3 for _ in range(3))
+    nv = torch.randn(*shape, dv, device=KERNEL_DEVICE)
+    intra = torch.randn(*shape, C, device=KERNEL_DEVICE).tril() * 0.3
+    decay = torch.rand(B, H, n, device=KERNEL_DEVICE)
+    state = torch.randn(B, H, dk, dv, device=KERNEL_DEVICE)
+    assert gdn_chunk_triton.kernel_takes(kc, nv)
+    expected_out, expected_state = chunk_recurrence(kc, nv, qs, ks, intra, decay, state)
+    out, final = gdn_chunk_triton.chunk_recurrence_triton(kc, nv, qs, ks, intra, decay, state, fallback=lambda: pytest.fail("kernel failed"))
+    torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final, expected_state, rtol=1e-4, atol=1e-4)
+    assert not torch.equal(final, state)  # the input state is not written

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qfd.kernels import gdn_chunk_triton
 from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
 
 
@@ -122,14 +123,25 @@ def chunked_gated_delta(q, k, v, g, beta, state, chunk_size: int = 64):
     k_cumdecay = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
     q = q * cum.exp()[..., None]
     k = k * (cum[..., -1:] - cum).exp()[..., None]
-    chunk_decay = cum[..., -1].exp()[..., None, None]
+    args = (k_cumdecay, new_values, q, k, intra, cum[..., -1].exp(), state)
+    if gdn_chunk_triton.kernel_takes(k_cumdecay, new_values):  # one launch, not ~9 per chunk
+        out, state = gdn_chunk_triton.chunk_recurrence_triton(*args, fallback=lambda: chunk_recurrence(*args))
+    else:
+        out, state = chunk_recurrence(*args)
+    out = out.reshape(B, H, -1, dv)[:, :, :T].transpose(1, 2)
+    return out, state
+
+
+def chunk_recurrence(k_cumdecay, new_values, q_scaled, k_scaled, intra, chunk_decay, state):
+    """`chunked_gated_delta`'s walk across chunks ([B, H, n, C, d] float32, chunk_decay
+    [B, H, n]): per chunk the values corrected by the entering state, the chunk's outputs and
+    the state it hands on. Returns (outputs [B, H, n, C, dv], final state)."""
     state = state.float()
     out = torch.empty_like(new_values)
-    for i in range(n):
+    for i in range(new_values.shape[2]):
         v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        out[:, :, i] = q[:, :, i] @ state + intra[:, :, i] @ v_new
-        state = state * chunk_decay[:, :, i] + k[:, :, i].transpose(-1, -2) @ v_new
-    out = out.reshape(B, H, -1, dv)[:, :, :T].transpose(1, 2)
+        out[:, :, i] = q_scaled[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i, None, None] + k_scaled[:, :, i].transpose(-1, -2) @ v_new
     return out, state
 
 
