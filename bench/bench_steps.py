@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qfd.engine import GRAPHED_PREFILL_MAX_TOKENS, PREFILL_CHUNK  # noqa: E402
-from qfd.kernels.int4_triton import MAGIC_DOT  # noqa: E402
+from qfd.kernels.int4_triton import BLOCK_M_32, MAGIC_DOT  # noqa: E402
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
 from qfd.models.fuse import fuse_projections, fusion_enabled  # noqa: E402
 from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps  # noqa: E402
@@ -370,7 +370,7 @@ def main() -> None:
     taps = config_for_target(shape, mask_token_id=0).target_layer_ids
     fuse = not args.no_fuse and fusion_enabled()
 
-    results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "int4_magic_operand": MAGIC_DOT, "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels), "tree": args.tree}
+    results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "int4_magic_operand": MAGIC_DOT, "int4_block_m_32": BLOCK_M_32, "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels), "tree": args.tree}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures
         args.out.write_text(json.dumps(results, indent=2))

@@ -9,7 +9,8 @@
 #   VARIANTS     which runs (default "reference fused"): reference (torch GDN recurrence, single
 #                values GEMM), conv_in_torch (the GDN step kernel without the conv and gates
 #                folded in), unfused (q/k/v, gate/up, GDN in_proj_* separate), fused (all of it),
-#                magic (fused, the INT4 tensor-core path's 16-bit MAGIC + u operand: QFD_INT4_MAGIC=1)
+#                magic (fused, the INT4 tensor-core path's 16-bit MAGIC + u operand: QFD_INT4_MAGIC=1),
+#                magic_bm32 (magic, and 17-32 rows as one 32-row block: QFD_INT4_BM32=1)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks)
 #   TREE=N       also a draft-tree verify of N tokens + keep per setting (bench_steps --tree N)
@@ -20,12 +21,13 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 [ -z "${INT4_AB:-}" ] || timeout "${INT4_AB_S:-150}" python3 "$SRC/bench/bench_int4_kernels.py" --ab --rows 1,16,32 --out "$OUT/int4_ab.json" 2>&1 | grep -v Warning | tee "$OUT/int4_ab.log" | tail -60
 for variant in ${VARIANTS:-reference fused}; do
     flags=""
-    magic=0
-    [ "$variant" = magic ] && magic=1
+    magic=0 bm32=0
+    case $variant in magic*) magic=1 ;; esac
+    case $variant in *bm32) bm32=1 ;; esac
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
-    QFD_INT4_MAGIC=$magic timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"

@@ -379,6 +379,9 @@ class KernelConfig:
 # MAGIC_BITS) for configs that do not say: QFD_INT4_MAGIC=1 turns it on, for side-by-side runs
 # until the H200 has timed it (bench/bench_int4_kernels.py --ab).
 MAGIC_DOT = os.environ.get("QFD_INT4_MAGIC", "0") == "1"
+# 17-32 rows (a 32-node tree verify) as one 32-row block instead of two 16-row blocks that
+# each dequantize the whole weight: QFD_INT4_BM32=1, side by side until timed.
+BLOCK_M_32 = os.environ.get("QFD_INT4_BM32", "0") == "1"
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # bit pattern of MAGIC, MAGIC
 
 
@@ -437,6 +440,8 @@ def heuristic_config(m: int, n: int, k: int) -> KernelConfig:
     split = cfg.split_k
     while split > 1 and split > kt:  # every split needs at least one K tile
         split //= 2
+    if BLOCK_M_32 and 16 < m <= 32:
+        cfg = replace(cfg, block_m=32)
     return replace(cfg, split_k=split)
 
 
