@@ -221,7 +221,7 @@ class Engine:
     """One target (+ optional DFlash drafter) with preallocated caches; `generate` serves one
     request at a time (a lock serialises callers)."""
 
-    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool | None = None, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor", draft_vocab: int | None = None, short_block: bool = False, tree_size: int = 0, tree_width: int = 8, chunked_prefill: bool | None = None):
+    def __init__(self, target, tokenizer=None, drafter=None, max_len: int | None = None, eos_ids: Sequence[int] | None = None, static_cache: bool = False, cuda_graphs: bool | None = None, draft_len: int | None = None, compile_steps: bool = False, compile_backend: str | Callable = "inductor", draft_vocab: int | None = None, short_block: bool = False, tree_size: int = 0, tree_width: int = 8, chunked_prefill: bool | None = None, prefetch_draft: bool | None = None):
         from qfd.draft_vocab import draft_head_for
 
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
@@ -303,7 +303,9 @@ class Engine:
         # step's draft, so the GPU drafts while the host commits the step's tokens (detokenise,
         # stops, stream) instead of waiting for it; the next step takes that draft when it is
         # for the same (last token, position). A generation that ends there wastes one draft.
-        self.prefetch_draft = self.draft_step is not None and self.device.type == "cuda"
+        if prefetch_draft is None:
+            prefetch_draft = self.draft_step is not None and self.device.type == "cuda"
+        self.prefetch_draft = bool(prefetch_draft) and drafter is not None
         self._pinned: torch.Tensor | None = None  # host buffer of the tree drafts' one copy
         self._lock = threading.Lock()
         self.on_step: Callable[[dict], None] | None = None  # test hook: called after every rollback

@@ -20,9 +20,8 @@ def test_prefetched_drafts_give_the_same_tokens_one_draft_per_step(tiny_checkpoi
     model = load_target(tiny_checkpoints["llama"], tokenizer=False)[0]
     drafter = make_drafter(tiny_checkpoints["llama"])
     args = dict(drafter=drafter, max_len=128, cuda_graphs=True, tree_size=tree)
-    plain, ahead = Engine(model, **args), Engine(model, **args)
-    assert not plain.prefetch_draft  # off on the CPU by default
-    ahead.prefetch_draft = True
+    plain, ahead = Engine(model, **args), Engine(model, prefetch_draft=True, **args)
+    assert not plain.prefetch_draft and ahead.prefetch_draft  # off on the CPU by default
     calls = []
     inner = ahead.draft_step
     ahead.draft_step = lambda *a: calls.append(a) or inner(*a)
