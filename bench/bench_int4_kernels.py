@@ -107,9 +107,13 @@ def main() -> None:
     p.add_argument("--write-tuned", nargs="?", const="", default=None, metavar="PATH",
                    help="with --sweep: write each shape's best config as the GPU's tuned table, which Int4Linear's "
                         "Triton kernel then uses (default PATH: qfd/kernels/tuned/<GPU name>.json)")
+    p.add_argument("--ab-knobs", type=Path, default=None, metavar="JSON", help="print the shell exports (QFD_INT4_MAGIC, QFD_INT4_BM32) of the variants that won in a saved --ab run, and exit")
     p.add_argument("--ab", action="store_true", help="the served config against its variants (magic operand, dot for one row, 32-row blocks), side by side")
     p.add_argument("--out", type=Path, default=Path("int4_kernels.json"))
     args = p.parse_args()
+    if args.ab_knobs:
+        print(" ".join(f"export {key}={value};" for key, value in ab_knobs(json.loads(args.ab_knobs.read_text())["rows"]).items()))
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_int4_kernels.py: needs a CUDA device")
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -237,6 +241,22 @@ def ab_variants(m: int, n: int, k: int):
     if 16 < m <= 32:  # one block of 32 rows: the weight dequantized once, not twice
         yield "bm32", replace(served, block_m=32, magic=False)
         yield "bm32+magic", replace(served, block_m=32, magic=True)
+
+
+def ab_knobs(rows: list[dict], margin: float = 0.97) -> dict[str, int]:
+    """The INT4 variants an --ab run says to serve with, as environment settings: the magic
+    operand when its summed time over the 16- and 32-row products is under `margin` x the
+    exact operand's; 32-row blocks when, with that operand, they beat two 16-row blocks."""
+    def total(m, label):
+        entries = [r["variants"] for r in rows if r["m"] == m and "variants" in r]
+        return sum(e[label]["us"] for e in entries) if entries and all(label in e for e in entries) else None
+
+    served = (total(16, "served") or 0) + (total(32, "served") or 0)
+    magic = (total(16, "magic") or 0) + (total(32, "magic") or 0)
+    use_magic = bool(served and magic and magic < margin * served)
+    plain, wide = (total(32, "magic"), total(32, "bm32+magic")) if use_magic else (total(32, "served"), total(32, "bm32"))
+    use_bm32 = bool(plain and wide and wide < margin * plain)
+    return {"QFD_INT4_MAGIC": int(use_magic), "QFD_INT4_BM32": int(use_bm32)}
 
 
 def ab_table(rows: list[dict]) -> None:

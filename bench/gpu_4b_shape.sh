@@ -13,10 +13,23 @@
 #   UNCOMPILED=0  skip the uncompiled steps (with COMPILE=1: only the compiled ones)
 #   STEPS_FLAGS="..."  more bench_steps.py flags (e.g. --no-compile-drafter, --targets-only)
 #   PROFILE=1  also a kernel breakdown of the targets' decode and verify (bench_steps --profile)
+#   TESTS=1    first: the Triton kernels' tests on CUDA (INT4 matmul, Gated DeltaNet step/tree/chunk, dequant;
+#              TESTS_K: a pytest -k expression to run some of them)
+#   INT4_AB=1  then: the INT4 matmul's variants side by side (bench_int4_kernels.py --ab on the fused
+#              and drafter shapes, 1/16/32 rows); the steps below run with the variants that won
+#              (QFD_INT4_MAGIC / QFD_INT4_BM32, printed)
 export PYTHONPATH=${QFD_SRC:-$PWD} PYTHONUNBUFFERED=1
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+if [ -n "${TESTS:-}" ]; then
+    (cd "$SRC" && timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_int4_triton.py tests/test_gdn_kernel.py tests/test_int4_dequant.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -3)
+fi
+if [ -n "${INT4_AB:-}" ]; then
+    COLUMNS=180 timeout "${INT4_AB_S:-120}" python3 "$SRC/bench/bench_int4_kernels.py" --ab --rows 1,16,32 --shapes "${INT4_AB_SHAPES:-fused,drafter}" \
+        --out "$OUT/int4_ab.json" 2>&1 | grep -v Warning | tee "$OUT/int4_ab.log" | grep -A40 "INT4 kernel variants"
+    knobs=$(python3 "$SRC/bench/bench_int4_kernels.py" --ab-knobs "$OUT/int4_ab.json") && eval "$knobs" && echo "steps run with: $knobs"
+fi
 if [ -n "${KERNELS:-}" ]; then
     (cd "$SRC" && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_int4_triton.py 2>&1 | tail -3)
     # a sweep writes the GPU's tuned launch configs into this tree copy (the steps below use
