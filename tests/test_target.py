@@ -80,6 +80,22 @@ def test_incremental_decoding_equals_full_forward(pairs, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("static", [False, True])
+@torch.no_grad()
+def test_a_prompt_continuing_a_cache_sees_its_context(pairs, family, static):
+    """Two prompt-sized forwards in a row (each > max_verify tokens: fused attention over the
+    filled keys, the second from position 20 under a mask) equal one full forward."""
+    model, _ = pairs[family]
+    ids = _ids(length=20 + 24)
+    full = model(ids).logits
+    cache = model.new_cache(64, batch=2, static=static)
+    assert cache.prompt_start(20) == 0 and cache.prompt_start(16) is None
+    first = model(ids[:, :20], cache).logits
+    second = model(ids[:, 20:], cache).logits
+    torch.testing.assert_close(torch.cat([first, second], 1), full, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @torch.no_grad()
 def test_last_only_and_static_cache(pairs, family):
     model, _ = pairs[family]

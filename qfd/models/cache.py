@@ -126,10 +126,11 @@ class TargetCache:
     """Per-layer caches of a TargetModel. `k[i]`, `v[i]`: [B, kv_heads, max_len, head_dim] for
     attention layers; `gdn[i]`: GDNState for linear-attention layers. `length`: tokens held."""
 
-    def __init__(self, k: dict[int, torch.Tensor], v: dict[int, torch.Tensor], gdn: dict[int, GDNState], max_len: int, static: bool = False, kv: torch.Tensor | None = None):
+    def __init__(self, k: dict[int, torch.Tensor], v: dict[int, torch.Tensor], gdn: dict[int, GDNState], max_len: int, static: bool = False, kv: torch.Tensor | None = None, max_verify: int = 16):
         self.k, self.v, self.gdn = k, v, gdn
         self.kv = kv  # [2, attention layers, B, kv_heads, max_len, hd]: k and v are views of it
         self.max_len = max_len
+        self.max_verify = max_verify  # the most tokens of a step (decode, verify, tree, prefill chunk)
         # static: attention always spans the whole buffer under a position mask (fixed shapes
         # for CUDA graphs); otherwise it spans only the filled prefix (faster in eager mode).
         self.static = static
@@ -156,6 +157,11 @@ class TargetCache:
             return k_buf, v_buf
         end = self._last_start + key.shape[2]
         return k_buf[:, :, :end], v_buf[:, :, :end]
+
+    def prompt_start(self, steps: int) -> int | None:
+        """For a forward of more tokens than any step takes - a prompt's, always eager, never
+        captured - the first position it writes (a Python int); None for a step."""
+        return self._last_start if steps > self.max_verify else None
 
     def key_count(self, steps: int) -> int:
         """How many key slots a forward of `steps` tokens attends over (what write_kv returns)."""

@@ -192,12 +192,15 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             keys, values = cache.write_kv(layer, k, v, positions if tree is None else tree.slots)
-            if tree is None:
+            start = cache.prompt_start(T) if tree is None else None
+            if start is not None:  # a prompt: fused attention over the filled keys only
+                out = prompt_attention(q, keys[:, :, : start + T], values[:, :, : start + T], start)
+            elif tree is None:
                 # a key is visible to a query when its position is not after the query's
                 mask = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
+                out = grouped_attention(q, keys, values, mask)
             else:
-                mask = tree.visible
-            out = grouped_attention(q, keys, values, mask)
+                out = grouped_attention(q, keys, values, tree.visible)
         out = out.transpose(1, 2).reshape(B, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -211,6 +214,22 @@ def tree_visibility(num_keys: int, slots: torch.Tensor, ancestors: torch.Tensor)
     rel = torch.arange(num_keys, device=slots.device) - slots[0]  # key slot relative to the tree
     in_tree = (rel >= 0) & (rel < ancestors.shape[1])
     return (rel < 0)[None, :] | (in_tree[None, :] & ancestors[:, rel.clamp(0, ancestors.shape[1] - 1)])
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of a prompt's T queries at positions start.. over keys [B, kv_heads,
+    start + T, hd] (the cache's filled part), through SDPA's fused kernels. `grouped_attention`
+    would materialise [heads * T, S] fp32 scores over the whole static cache: at Qwen3.5-4B
+    shape an 8K prompt needs 4.4 GB per layer for them, and their passes cost more than the
+    layer's matmuls."""
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # query head h reads kv head h // group (transformers' repeat_kv)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if start == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    T = q.shape[2]
+    mask = torch.arange(k.shape[2], device=q.device)[None, :] <= torch.arange(start, start + T, device=q.device)[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -360,7 +379,7 @@ class TargetModel(nn.Module):
             if layer.kind == "linear_attention":
                 la = layer.linear_attn
                 gdn[layer.index] = GDNState(batch, la.conv_dim, la.kernel, la.num_v_heads, la.head_k_dim, la.head_v_dim, max_verify, dtype, device)
-        return TargetCache(k, v, gdn, max_len, static=static, kv=kv)
+        return TargetCache(k, v, gdn, max_len, static=static, kv=kv, max_verify=max_verify)
 
     def forward(self, input_ids: torch.Tensor, cache: TargetCache | None = None, tap_layers: Sequence[int] = (), last_only: bool = False, positions: torch.Tensor | None = None) -> TargetOutput:
         """input_ids [B, T]. With a cache: the tokens continue the cached sequence at position
