@@ -123,7 +123,7 @@ def main() -> None:
     p.add_argument("--draft-vocab", default="", help="comma-separated draft vocabulary sizes N to add as speculative rows (each also at every --draft-lens k)")
     p.add_argument("--short-block", action="store_true", help="also each --draft-lens row with the drafter's block cut to its k + 1 used slots (Engine(short_block=True))")
     p.add_argument("--trees", default="", help="comma-separated tree sizes N to add as speculative rows verifying a draft tree of N tokens (qfd.tree; also compiled with --compile)")
-    p.add_argument("--ab-rows", action="store_true", help="with --compile: also compiled rows without this session's serving changes, side by side: target-only and the first --trees size with the eager prompt forward (chunked_prefill=False), that tree without the draft prefetch")
+    p.add_argument("--ab-rows", action="store_true", help="also rows without the chunked prefill and the draft prefetch, side by side (CUDA graphs on a GPU, not compiled): target-only and the first --trees size with the eager prompt forward (chunked_prefill=False), that tree without the draft prefetch")
     p.add_argument("--int4-head", action="store_true", help="the target's LM head in INT4 (RTN g128) for the qfd rows (load_target(int4_head=True))")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
     args = p.parse_args()
@@ -183,11 +183,13 @@ def main() -> None:
             add(f"qfd + DFlash, tree {n} ({label})", run_engine(Engine(target, tokenizer, drafter=drafter, max_len=max_len, cuda_graphs=graphed, tree_size=n), prompt_ids, args.max_new_tokens))
         if args.compile:
             compiled_row(f"qfd + DFlash, tree {n} ({compiled})", drafter=drafter, tree_size=n)
-    if args.compile and args.ab_rows:
-        compiled_row(f"qfd target-only, eager prefill ({compiled})", chunked_prefill=False)
-        if trees:
-            compiled_row(f"qfd + DFlash, tree {trees[0]}, eager prefill ({compiled})", drafter=drafter, tree_size=trees[0], chunked_prefill=False)
-            compiled_row(f"qfd + DFlash, tree {trees[0]}, no draft prefetch ({compiled})", drafter=drafter, tree_size=trees[0], prefetch_draft=False)
+    if args.ab_rows:  # without this session's serving changes, on the last mode (CUDA graphs on a GPU)
+        label, graphed = modes[-1]
+        add(f"qfd target-only, eager prefill ({label})", run_engine(Engine(target, tokenizer, max_len=max_len, cuda_graphs=graphed, chunked_prefill=False), prompt_ids, args.max_new_tokens))
+        for n in trees[:1]:
+            tree_args = dict(drafter=drafter, max_len=max_len, cuda_graphs=graphed, tree_size=n)
+            add(f"qfd + DFlash, tree {n}, eager prefill ({label})", run_engine(Engine(target, tokenizer, chunked_prefill=False, **tree_args), prompt_ids, args.max_new_tokens))
+            add(f"qfd + DFlash, tree {n}, no draft prefetch ({label})", run_engine(Engine(target, tokenizer, prefetch_draft=False, **tree_args), prompt_ids, args.max_new_tokens))
     for v in [None, *draft_vocabs]:
         for k in ([] if v is None else [None]) + draft_lens:
             for short in shorts if k is not None else [False]:
