@@ -37,6 +37,7 @@ import math
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -157,6 +158,9 @@ def target_costs(model, max_len, block, measure, device, taps, compile_steps=Fal
                 model(prompt, cache, tap_layers=taps, last_only=True)
 
             out[f"prefill_{name}_ms"] = measure(prefill, iters=5, warmup=1)
+            if n_in > GRAPHED_PREFILL_MAX_TOKENS:  # side by side: the eager prefill as it was before 2026-12-05 (ninth session)
+                with eager_prefill_as_before():
+                    out[f"prefill_before_{name}_ms"] = measure(prefill, iters=3, warmup=1)
             if n_in <= GRAPHED_PREFILL_MAX_TOKENS and block >= PREFILL_CHUNK:  # as the Engine serves a short prompt
 
                 def prefill_chunked():
@@ -201,6 +205,21 @@ def target_costs(model, max_len, block, measure, device, taps, compile_steps=Fal
             if first:
                 out["profile"]["decode"] = kernel_profile(decode, device)
     return out
+
+
+@contextmanager
+def eager_prefill_as_before():
+    """A prompt's attention over the whole static cache in fp32 (grouped_attention) and the
+    Gated DeltaNet chunks walked by the torch loop: the eager prefill before the ninth session."""
+    import qfd.models.gdn
+    import qfd.models.target
+
+    saved = qfd.models.target.PROMPT_ATTENTION, qfd.models.gdn.CHUNK_KERNEL
+    qfd.models.target.PROMPT_ATTENTION = qfd.models.gdn.CHUNK_KERNEL = False
+    try:
+        yield
+    finally:
+        qfd.models.target.PROMPT_ATTENTION, qfd.models.gdn.CHUNK_KERNEL = saved
 
 
 def kernel_profile(fn, device, iters: int = 10, top: int = 25) -> dict:
@@ -430,13 +449,13 @@ def report(results: dict) -> None:
     if any(f"{final} step_ms" in r for r in rows):
         console.print(steps)
     target = Table(title=f"target step costs, ms ({kind})")
-    for col in ("setting", "bf16 decode", "bf16 verify", "int4 decode", "int4 verify", "int4 verify+rollback", "int4 prefill (eager)", "int4 prefill (graphed chunks)"):
+    for col in ("setting", "bf16 decode", "bf16 verify", "int4 decode", "int4 verify", "int4 verify+rollback", "int4 prefill (eager)", "int4 prefill (graphed chunks / eager as before)"):
         target.add_column(col, justify="right")
     for name in results["settings"]:
         keys = [(t, f"{step}_{name}_ms") for t, step in (("bf16", "decode"), ("bf16", "verify"), ("int4", "decode"), ("int4", "verify"), ("int4", "verify_rollback"), ("int4", "prefill"))]
         if all(k in results.get(t, {}) for t, k in keys):
-            chunked = results["int4"].get(f"prefill_chunked_{name}_ms")
-            target.add_row(name, *(f"{results[t][k]:.3f}" for t, k in keys), "-" if chunked is None else f"{chunked:.3f}")
+            other = results["int4"].get(f"prefill_chunked_{name}_ms", results["int4"].get(f"prefill_before_{name}_ms"))
+            target.add_row(name, *(f"{results[t][k]:.3f}" for t, k in keys), "-" if other is None else f"{other:.3f}")
     console.print(target)
     if results.get("tree"):
         trees = Table(title=f"draft-tree verify of {results['tree']} tokens + keep of its deepest path, ms ({kind})")

@@ -99,6 +99,9 @@ def tree_structure(ancestors: torch.Tensor, kernel: int) -> tuple[torch.Tensor, 
     return parents, conv_index
 
 
+CHUNK_KERNEL = True  # bench_steps.py turns it off to time the prefill as before, side by side
+
+
 def chunked_gated_delta(q, k, v, g, beta, state, chunk_size: int = 64):
     """Chunkwise gated delta rule (same arguments and results as `recurrent_gated_delta`,
     no history): inside a chunk the delta-rule updates are folded into one triangular solve
@@ -124,7 +127,7 @@ def chunked_gated_delta(q, k, v, g, beta, state, chunk_size: int = 64):
     q = q * cum.exp()[..., None]
     k = k * (cum[..., -1:] - cum).exp()[..., None]
     args = (k_cumdecay, new_values, q, k, intra, cum[..., -1].exp(), state)
-    if gdn_chunk_triton.kernel_takes(k_cumdecay, new_values):  # one launch, not ~9 per chunk
+    if CHUNK_KERNEL and gdn_chunk_triton.kernel_takes(k_cumdecay, new_values):  # one launch, not ~9 per chunk
         out, state = gdn_chunk_triton.chunk_recurrence_triton(*args, fallback=lambda: chunk_recurrence(*args))
     else:
         out, state = chunk_recurrence(*args)

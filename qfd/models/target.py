@@ -192,7 +192,7 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             keys, values = cache.write_kv(layer, k, v, positions if tree is None else tree.slots)
-            start = cache.prompt_start(T) if tree is None else None
+            start = cache.prompt_start(T) if tree is None and PROMPT_ATTENTION else None
             if start is not None:  # a prompt: fused attention over the filled keys only
                 out = prompt_attention(q, keys[:, :, : start + T], values[:, :, : start + T], start)
             elif tree is None:
@@ -214,6 +214,9 @@ def tree_visibility(num_keys: int, slots: torch.Tensor, ancestors: torch.Tensor)
     rel = torch.arange(num_keys, device=slots.device) - slots[0]  # key slot relative to the tree
     in_tree = (rel >= 0) & (rel < ancestors.shape[1])
     return (rel < 0)[None, :] | (in_tree[None, :] & ancestors[:, rel.clamp(0, ancestors.shape[1] - 1)])
+
+
+PROMPT_ATTENTION = True  # bench_steps.py turns it off to time the prefill as before, side by side
 
 
 def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
