@@ -376,12 +376,15 @@ class KernelConfig:
 
 
 # The tensor-core path's weight operand built straight in 16 bits (`_int4_mm_kernel`'s
-# MAGIC_BITS) for configs that do not say: QFD_INT4_MAGIC=1 turns it on, for side-by-side runs
-# until the H200 has timed it (bench/bench_int4_kernels.py --ab).
+# MAGIC_BITS) for configs that do not say: QFD_INT4_MAGIC=1 turns it on. Measured slower
+# (0.53-0.72x summed at 1/16/32 rows on the H100, docs/benchmarks.md 2026-12-05 ninth session:
+# fewer ALU ops per weight, but the 16-bit operand's conversion into the MMA layout costs more),
+# so it stays off; kept for side-by-side runs on other GPUs (bench_int4_kernels.py --ab).
 MAGIC_DOT = os.environ.get("QFD_INT4_MAGIC", "0") == "1"
 # 17-32 rows (a 32-node tree verify) as one 32-row block instead of two 16-row blocks that
-# each dequantize the whole weight: QFD_INT4_BM32=1, side by side until timed.
-BLOCK_M_32 = os.environ.get("QFD_INT4_BM32", "0") == "1"
+# each dequantize the whole weight: 1.13x summed over the fused + drafter shapes at 32 rows
+# (H100, docs/benchmarks.md 2026-12-05 ninth session); QFD_INT4_BM32=0 for the old blocks.
+BLOCK_M_32 = os.environ.get("QFD_INT4_BM32", "1") == "1"
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # bit pattern of MAGIC, MAGIC
 
 
