@@ -182,13 +182,15 @@ def test_chunked_form_equals_the_recurrence(T, chunk):
 
 
 @needs_triton
-@pytest.mark.parametrize("dv", [48, 16])
-def test_chunk_recurrence_kernel_matches_the_torch_walk(dv):
+@pytest.mark.parametrize("dv,C,dk", [(48, 16, 32), (16, 16, 64), (128, 64, 128)])
+def test_chunk_recurrence_kernel_matches_the_torch_walk(dv, C, dk):
+    """Small heads, and Qwen3.5-4B's (64-token chunks, 128 x 128 heads): the kernel itself
+    runs (its fallback would fail the test), and equals the torch walk."""
     from qfd.kernels import gdn_chunk_triton
     from qfd.models.gdn import chunk_recurrence
 
     torch.manual_seed(1)
-    B, H, n, C, dk = 2, 3, 4, 16, 32
+    B, H, n = 1, 2, 3
     shape = (B, H, n, C)
     kc, qs, ks = (torch.randn(*shape, dk, device=KERNEL_DEVICE) * 0.3 for _ in range(3))
     nv = torch.randn(*shape, dv, device=KERNEL_DEVICE)
@@ -198,6 +200,7 @@ def test_chunk_recurrence_kernel_matches_the_torch_walk(dv):
     assert gdn_chunk_triton.kernel_takes(kc, nv)
     expected_out, expected_state = chunk_recurrence(kc, nv, qs, ks, intra, decay, state)
     out, final = gdn_chunk_triton.chunk_recurrence_triton(kc, nv, qs, ks, intra, decay, state, fallback=lambda: pytest.fail("kernel failed"))
-    torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(final, expected_state, rtol=1e-4, atol=1e-4)
+    # float32 summed in another order: errors relative to the outputs' scale
+    torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-5 * float(expected_out.abs().max()))
+    torch.testing.assert_close(final, expected_state, rtol=1e-4, atol=1e-5 * float(expected_state.abs().max()))
     assert not torch.equal(final, state)  # the input state is not written
