@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qfd.engine import GRAPHED_PREFILL_MAX_TOKENS, PREFILL_CHUNK  # noqa: E402
+from qfd.kernels import gdn_fla  # noqa: E402
 from qfd.kernels.int4_triton import BLOCK_M_32, MAGIC_DOT  # noqa: E402
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
 from qfd.models.fuse import fuse_projections, fusion_enabled  # noqa: E402
@@ -161,6 +162,9 @@ def target_costs(model, max_len, block, measure, device, taps, compile_steps=Fal
             if n_in > GRAPHED_PREFILL_MAX_TOKENS:  # side by side: the eager prefill as it was before 2026-12-05 (ninth session)
                 with eager_prefill_as_before():
                     out[f"prefill_before_{name}_ms"] = measure(prefill, iters=3, warmup=1)
+                if device.type == "cuda" and gdn_fla.BACKEND != "qfd" and gdn_fla.installed():  # and with qfd's own chunked GDN
+                    with gdn_prefill_backend("qfd"):
+                        out[f"prefill_qfd_gdn_{name}_ms"] = measure(prefill, iters=3, warmup=1)
             if n_in <= GRAPHED_PREFILL_MAX_TOKENS and block >= PREFILL_CHUNK:  # as the Engine serves a short prompt
 
                 def prefill_chunked():
@@ -217,9 +221,20 @@ def eager_prefill_as_before():
     saved = qfd.models.target.PROMPT_ATTENTION, qfd.models.gdn.CHUNK_KERNEL
     qfd.models.target.PROMPT_ATTENTION = qfd.models.gdn.CHUNK_KERNEL = False
     try:
-        yield
+        with gdn_prefill_backend("qfd"):
+            yield
     finally:
         qfd.models.target.PROMPT_ATTENTION, qfd.models.gdn.CHUNK_KERNEL = saved
+
+
+@contextmanager
+def gdn_prefill_backend(name: str):
+    """Long prompts' Gated DeltaNet through `name` ("qfd" or "fla", qfd.kernels.gdn_fla) meanwhile."""
+    saved, gdn_fla.BACKEND = gdn_fla.BACKEND, name
+    try:
+        yield
+    finally:
+        gdn_fla.BACKEND = saved
 
 
 def kernel_profile(fn, device, iters: int = 10, top: int = 25) -> dict:
@@ -457,6 +472,17 @@ def report(results: dict) -> None:
             other = results["int4"].get(f"prefill_chunked_{name}_ms", results["int4"].get(f"prefill_before_{name}_ms"))
             target.add_row(name, *(f"{results[t][k]:.3f}" for t, k in keys), "-" if other is None else f"{other:.3f}")
     console.print(target)
+    prefill_forms = (("prefill", "eager (served for long prompts)"), ("prefill_qfd_gdn", "eager, qfd's own chunked GDN (not flash-linear-attention)"),
+                     ("prefill_before", "eager as before 2026-12-05"), ("prefill_chunked", "graphed 16-token chunks (served for short prompts)"))
+    prefill = Table(title=f"prefill, ms ({kind})")
+    for col in ("setting", "target", *(label for _, label in prefill_forms)):
+        prefill.add_column(col, justify="right")
+    for name in results["settings"]:
+        for t in ("bf16", "int4"):
+            cells = [results.get(t, {}).get(f"{form}_{name}_ms") for form, _ in prefill_forms]
+            if any(c is not None for c in cells):
+                prefill.add_row(name, t, *("-" if c is None else f"{c:.1f}" for c in cells))
+    console.print(prefill)
     if results.get("tree"):
         trees = Table(title=f"draft-tree verify of {results['tree']} tokens + keep of its deepest path, ms ({kind})")
         for col in ("setting", "bf16", "int4", f"int4 x its {results['draft_len'] + 1}-token verify+rollback"):

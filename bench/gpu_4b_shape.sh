@@ -18,7 +18,7 @@
 #   INT4_AB=1  then: the INT4 matmul's variants side by side (bench_int4_kernels.py --ab on the fused
 #              and drafter shapes, 1/16/32 rows); the steps below run with the variants that won
 #              (QFD_INT4_MAGIC / QFD_INT4_BM32, printed)
-export PYTHONPATH=${QFD_SRC:-$PWD} PYTHONUNBUFFERED=1
+export PYTHONPATH=${QFD_SRC:-$PWD}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'

@@ -14,7 +14,7 @@
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks)
 #   TREE=N       also a draft-tree verify of N tokens + keep per setting (bench_steps --tree N)
-export PYTHONPATH=${QFD_SRC:-$PWD} PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-180}
+export PYTHONPATH=${QFD_SRC:-$PWD}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-180}
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 (cd "$SRC" && timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py tests/test_int4_dequant.py 2>&1 | tail -3)

@@ -169,10 +169,13 @@ def test_tree_kernel_matches_the_torch_recurrence_along_every_path():
 
 
 @pytest.mark.parametrize("T,chunk", [(37, 16), (64, 16), (5, 32)])
-def test_chunked_form_equals_the_recurrence(T, chunk):
+def test_chunked_form_equals_the_recurrence(T, chunk, monkeypatch):
     """`chunked_gated_delta` (long prompts) gives the token-by-token recurrence's outputs and
     final state, whichever walks its chunks (torch loop here on CI; the kernel under Triton)."""
+    from qfd.kernels import gdn_fla
     from qfd.models.gdn import chunked_gated_delta
+
+    monkeypatch.setattr(gdn_fla, "BACKEND", "qfd")  # qfd's own form (flash-linear-attention's: below)
 
     q, k, v, g, beta, state = step_inputs(B=2, T=T, dk=32, dv=48)
     expected, final = recurrent_gated_delta(q, k, v, g, beta, state)
@@ -204,3 +207,25 @@ def test_chunk_recurrence_kernel_matches_the_torch_walk(dv, C, dk):
     torch.testing.assert_close(out, expected_out, rtol=1e-4, atol=1e-5 * float(expected_out.abs().max()))
     torch.testing.assert_close(final, expected_state, rtol=1e-4, atol=1e-5 * float(expected_state.abs().max()))
     assert not torch.equal(final, state)  # the input state is not written
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-linear-attention runs on a GPU")
+def test_flash_linear_attention_prefill_equals_the_float32_recurrence():
+    """Where flash-linear-attention is installed, a long prompt's GDN goes through it: at
+    Qwen3.5-4B's head sizes (128 x 128, 64-token chunks, 200 tokens) its outputs and final state
+    equal the float32 recurrence's to 16-bit-input accuracy, from a non-zero state."""
+    from qfd.kernels import gdn_fla
+    from qfd.models.gdn import chunked_gated_delta
+
+    if not gdn_fla.installed():
+        pytest.skip("flash-linear-attention is not installed")
+    q, k, v, g, beta, state = (t.cuda() for t in step_inputs(B=1, T=200, H=4, dk=128, dv=128, seed=3))
+    v = v.to(torch.bfloat16)
+    expected, final = recurrent_gated_delta(q, k, v, g, beta, state)
+    with torch.inference_mode():
+        assert gdn_fla.takes(q)
+        out, got_final = chunked_gated_delta(q, k, v, g, beta, state)
+    for got, want in ((out, expected), (got_final, final)):
+        scale = float(want.abs().max())
+        assert float((got - want).abs().max()) <= 3e-2 * scale, float((got - want).abs().max()) / scale
+    assert not torch.equal(got_final, state)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qfd.kernels import gdn_chunk_triton
+from qfd.kernels import gdn_chunk_triton, gdn_fla
 from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
 
 
@@ -105,7 +105,10 @@ CHUNK_KERNEL = True  # bench_steps.py turns it off to time the prefill as before
 def chunked_gated_delta(q, k, v, g, beta, state, chunk_size: int = 64):
     """Chunkwise gated delta rule (same arguments and results as `recurrent_gated_delta`,
     no history): inside a chunk the delta-rule updates are folded into one triangular solve
-    (the WY / UT transform), across chunks the state is carried sequentially."""
+    (the WY / UT transform), across chunks the state is carried sequentially. On a GPU with
+    flash-linear-attention installed its fused kernels do it (`qfd.kernels.gdn_fla`)."""
+    if gdn_fla.takes(q):
+        return gdn_fla.chunked_gated_delta(q, k, v, g, beta, state)
     B, T, H, dk = k.shape
     dv = v.shape[-1]
     q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [B, H, T, d]
