@@ -15,6 +15,8 @@
 #   PROFILE=1  also a kernel breakdown of the targets' decode and verify (bench_steps --profile)
 #   TESTS=1    first: the Triton kernels' tests on CUDA (INT4 matmul, Gated DeltaNet step/tree/chunk, dequant;
 #              TESTS_K: a pytest -k expression to run some of them)
+#   PREFILL_PROFILE=1  then: kernel profiles of an 8K-token eager prefill, qfd's own chunked Gated DeltaNet
+#              beside flash-linear-attention's where installed (bench/profile_prefill.py; PREFILL_FLAGS, e.g. --int4)
 #   INT4_AB=1  then: the INT4 matmul's variants side by side (bench_int4_kernels.py --ab on the fused
 #              and drafter shapes, 1/16/32 rows); the steps below run with the variants that won
 #              (QFD_INT4_MAGIC / QFD_INT4_BM32, printed)
@@ -24,6 +26,9 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
 if [ -n "${TESTS:-}" ]; then
     (cd "$SRC" && timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_int4_triton.py tests/test_gdn_kernel.py tests/test_int4_dequant.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -3)
+fi
+if [ -n "${PREFILL_PROFILE:-}" ]; then
+    COLUMNS=160 timeout "${PREFILL_S:-150}" python3 "$SRC/bench/profile_prefill.py" --tokens 8192 ${PREFILL_FLAGS:-} --out "$OUT/prefill_profile.json" 2>&1 | grep -v Warning | tee "$OUT/prefill_profile.log" | grep -A14 "prefill of"
 fi
 if [ -n "${INT4_AB:-}" ]; then
     COLUMNS=180 timeout "${INT4_AB_S:-120}" python3 "$SRC/bench/bench_int4_kernels.py" --ab --rows 1,16,32 --shapes "${INT4_AB_SHAPES:-fused,drafter}" \
