@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (H200): the fused Gated DeltaNet step kernel and the split attention-values
+# One device call: the fused Gated DeltaNet step kernel and the split attention-values
 # product against the torch reference, side by side at Qwen3.5-4B shape (bench_steps.py
 # --targets-only, with and without --reference-kernels, each with a kernel profile), after the
 # kernels' own tests on CUDA. Random weights: exact step costs.
@@ -10,25 +10,29 @@
 #                values GEMM), conv_in_torch (the GDN step kernel without the conv and gates
 #                folded in), unfused (q/k/v, gate/up, GDN in_proj_* separate), fused (all of it),
 #                magic (fused, the INT4 tensor-core path's 16-bit MAGIC + u operand: QFD_INT4_MAGIC=1),
-#                magic_bm32 (magic, and 17-32 rows as one 32-row block: QFD_INT4_BM32=1)
+#                magic_bm32 (the same: 32-row blocks are the default now), bm16 (17-32 rows as two
+#                16-row blocks: QFD_INT4_BM32=0), gdn_loop (the GDN step kernels' token loop not
+#                unrolled: QFD_GDN_UNROLL=0)
+#   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks)
 #   TREE=N       also a draft-tree verify of N tokens + keep per setting (bench_steps --tree N)
 export PYTHONPATH=${QFD_SRC:-$PWD}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-180}
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-(cd "$SRC" && timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py tests/test_int4_dequant.py 2>&1 | tail -3)
+[ "${TESTS_K:-}" = none ] || (cd "$SRC" && timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py tests/test_int4_dequant.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -3)
 [ -z "${INT4_AB:-}" ] || timeout "${INT4_AB_S:-150}" python3 "$SRC/bench/bench_int4_kernels.py" --ab --rows 1,16,32 --out "$OUT/int4_ab.json" 2>&1 | grep -v Warning | tee "$OUT/int4_ab.log" | tail -60
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=0
+    magic=0 bm32=1 unroll=1
     case $variant in magic*) magic=1 ;; esac
-    case $variant in *bm32) bm32=1 ;; esac
+    [ "$variant" = bm16 ] && bm32=0
+    [ "$variant" = gdn_loop ] && unroll=0
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
-    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_UNROLL=$unroll timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"

@@ -14,9 +14,24 @@ Same arguments and float32 math as `recurrent_gated_delta` (q, k prepared by `pr
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
+
+
+# The token loop of a step unrolled at compile time (one kernel variant per step size: 1, a
+# verify's 16, a tree's N): the tokens' input loads and conv do not depend on the state, so
+# unrolled they are issued ahead instead of one memory round trip per token inside the loop
+# (the H100 profile of a compiled 16-token verify: 55 us per layer in this kernel, 25% of the
+# step). QFD_GDN_UNROLL=0 keeps the runtime loop (side-by-side runs).
+UNROLL_TOKENS = os.environ.get("QFD_GDN_UNROLL", "1") == "1"
+UNROLL_MAX = 64  # longer steps (eager prompts of up to max_verify tokens) keep the loop
+
+
+def _unroll(T: int) -> int:
+    return T if UNROLL_TOKENS and T <= UNROLL_MAX else 0
 
 
 if _HAVE_TRITON:
@@ -58,7 +73,7 @@ if _HAVE_TRITON:
     def _gated_delta_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, s_ptr, start_ptr, hist_ptr,
         T, H, DV, HIST_T,
-        DK: tl.constexpr, BV: tl.constexpr,
+        DK: tl.constexpr, BV: tl.constexpr, UNROLL: tl.constexpr,
     ):
         """Program (batch*head, dv block): q/k [B, T, H, DK], v/o [B, T, H, DV], g/beta [B, T, H],
         state/start [B, H, DK, DV], history [B, HIST_T, H, DK, DV]; all contiguous, float32."""
@@ -68,10 +83,14 @@ if _HAVE_TRITON:
         state_off = bh * DK * DV
         state = tl.load(s_ptr + state_off + tile, mask=tile_mask, other=0.0)
         tl.store(start_ptr + state_off + tile, state, mask=tile_mask)
-        for t in range(T):
-            state = _delta_rule_at(state, (b * T + t) * H + h, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK, DV)
-            hist_off = ((b * HIST_T + t) * H + h) * DK * DV
-            tl.store(hist_ptr + hist_off + tile, state, mask=tile_mask)
+        if UNROLL > 0:  # T == UNROLL, the loop unrolled (see UNROLL_TOKENS)
+            for t in tl.static_range(UNROLL):
+                state = _delta_rule_at(state, (b * T + t) * H + h, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK, DV)
+                tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
+        else:
+            for t in range(T):
+                state = _delta_rule_at(state, (b * T + t) * H + h, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK, DV)
+                tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
 
 
@@ -81,7 +100,7 @@ if _HAVE_TRITON:
     def _gated_delta_tree_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, s_ptr, hist_ptr, par_ptr,
         T, H, DV, HIST_T,
-        DK: tl.constexpr, BV: tl.constexpr,
+        DK: tl.constexpr, BV: tl.constexpr, UNROLL: tl.constexpr,
     ):
         """`_gated_delta_kernel` over the nodes of a draft tree: node 0 continues the state,
         node t > 0 its parent's (parents [T] int64, parents before children). The state tile
@@ -92,16 +111,26 @@ if _HAVE_TRITON:
         b, h = bh // H, bh % H
         offs_k, offs_v, v_mask, tile, tile_mask = _state_tile(DV, DK, BV)
         state = tl.load(s_ptr + bh * DK * DV + tile, mask=tile_mask, other=0.0)
-        for t in range(T):
-            if t > 0:
-                parent = tl.load(par_ptr + t)
-                if parent != t - 1:
-                    tl.debug_barrier()  # the parent's history tile, written by other threads of this program
-                    parent_off = ((b * HIST_T + parent) * H + h) * DK * DV
-                    state = tl.load(hist_ptr + parent_off + tile, mask=tile_mask, other=0.0)
-            state = _delta_rule_at(state, (b * T + t) * H + h, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK, DV)
-            hist_off = ((b * HIST_T + t) * H + h) * DK * DV
-            tl.store(hist_ptr + hist_off + tile, state, mask=tile_mask)
+        if UNROLL > 0:  # T == UNROLL, the loop unrolled (see UNROLL_TOKENS)
+            for t in tl.static_range(UNROLL):
+                state = _tree_node(state, t, b, h, T, H, DV, HIST_T, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, hist_ptr, par_ptr, offs_k, offs_v, v_mask, tile, tile_mask, DK)
+        else:
+            for t in range(T):
+                state = _tree_node(state, t, b, h, T, H, DV, HIST_T, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, hist_ptr, par_ptr, offs_k, offs_v, v_mask, tile, tile_mask, DK)
+
+    @triton.jit
+    def _tree_node(state, t, b, h, T, H, DV, HIST_T, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, hist_ptr, par_ptr, offs_k, offs_v, v_mask, tile, tile_mask, DK: tl.constexpr):
+        """Tree node t: from its parent's state (the register tile when the parent is node
+        t - 1, else read back from the history), the update, the node's history tile."""
+        if t > 0:
+            parent = tl.load(par_ptr + t)
+            if parent != t - 1:
+                tl.debug_barrier()  # the parent's history tile, written by other threads of this program
+                parent_off = ((b * HIST_T + parent) * H + h) * DK * DV
+                state = tl.load(hist_ptr + parent_off + tile, mask=tile_mask, other=0.0)
+        state = _delta_rule_at(state, (b * T + t) * H + h, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK, DV)
+        tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
+        return state
 
 
 if _HAVE_TRITON:
@@ -123,10 +152,34 @@ if _HAVE_TRITON:
         return y
 
     @triton.jit
+    def _conv_token(state, t, b, h, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
+                    k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale,
+                    DK: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr):
+        """Token t of `_gated_delta_conv_kernel`: its q/k/v from the conv window, its gates,
+        the update; writes its output and history tile, returns the new state."""
+        q_t = _conv_silu(win, cw_ptr, c_q, k_mask, t, W, KC, KCP, ROUND)
+        k_t = _conv_silu(win, cw_ptr, c_k, k_mask, t, W, KC, KCP, ROUND)
+        v_t = _conv_silu(win, cw_ptr, c_v, v_mask, t, W, KC, KCP, ROUND)
+        q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=0) + 1e-6) * scale  # prepare_qk
+        k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=0) + 1e-6)
+        row = (b * T + t) * H + h
+        ab = (b * T + t) * AB_ROW + h
+        a_t = tl.load(a_ptr + ab).to(tl.float32) + dt_bias
+        softplus = tl.where(a_t > 20.0, a_t, tl.log(1.0 + tl.exp(tl.minimum(a_t, 20.0))))  # F.softplus's threshold
+        decay = tl.exp(neg_a * softplus)
+        beta = tl.sigmoid(tl.load(b_ptr + ab).to(tl.float32))
+        if ROUND:
+            beta = beta.to(b_ptr.dtype.element_ty).to(tl.float32)
+        state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
+        tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
+        tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
+        return state
+
+    @triton.jit
     def _gated_delta_conv_kernel(
         win_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, start_ptr, hist_ptr, conv_ptr,
         T, H, DV, HIST_T, C, W, KD, REP, scale, AB_ROW,
-        DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr,
+        DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr, UNROLL: tl.constexpr,
     ):
         """`_gated_delta_kernel` computing its own inputs: program (batch*head, dv block) reads
         the conv window [B, C, W = KC-1+T] (channels: q [0, KD), k [KD, 2KD), v [2KD, C)),
@@ -154,24 +207,14 @@ if _HAVE_TRITON:
         state_off = bh * DK * DV
         state = tl.load(s_ptr + state_off + tile, mask=tile_mask, other=0.0)
         tl.store(start_ptr + state_off + tile, state, mask=tile_mask)
-        for t in range(T):
-            q_t = _conv_silu(win, cw_ptr, c_q, k_mask, t, W, KC, KCP, ROUND)
-            k_t = _conv_silu(win, cw_ptr, c_k, k_mask, t, W, KC, KCP, ROUND)
-            v_t = _conv_silu(win, cw_ptr, c_v, v_mask, t, W, KC, KCP, ROUND)
-            q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=0) + 1e-6) * scale  # prepare_qk
-            k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=0) + 1e-6)
-            row = (b * T + t) * H + h
-            ab = (b * T + t) * AB_ROW + h
-            a_t = tl.load(a_ptr + ab).to(tl.float32) + dt_bias
-            softplus = tl.where(a_t > 20.0, a_t, tl.log(1.0 + tl.exp(tl.minimum(a_t, 20.0))))  # F.softplus's threshold
-            decay = tl.exp(neg_a * softplus)
-            beta = tl.sigmoid(tl.load(b_ptr + ab).to(tl.float32))
-            if ROUND:
-                beta = beta.to(b_ptr.dtype.element_ty).to(tl.float32)
-            state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
-            tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
-            hist_off = ((b * HIST_T + t) * H + h) * DK * DV
-            tl.store(hist_ptr + hist_off + tile, state, mask=tile_mask)
+        if UNROLL > 0:  # T == UNROLL, the loop unrolled (see UNROLL_TOKENS)
+            for t in tl.static_range(UNROLL):
+                state = _conv_token(state, t, b, h, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
+                                    k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale, DK, KC, KCP, ROUND)
+        else:
+            for t in range(T):
+                state = _conv_token(state, t, b, h, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
+                                    k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale, DK, KC, KCP, ROUND)
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
         # the conv state after the step: the window's last KC-1 columns
         taps = tl.arange(0, KCP)
@@ -213,7 +256,7 @@ def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: to
             window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias,
             out, state, start, history, conv_state,
             T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, a_.stride(1),
-            DK=dk, BV=block_v, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, num_warps=4,
+            DK=dk, BV=block_v, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, UNROLL=_unroll(T), num_warps=4,
         )
         return out
 
@@ -249,7 +292,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     block_v = 32
     _gated_delta_kernel[(B * H, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, out, state, start, history, T, H, dv, history.shape[1],
-        DK=dk, BV=block_v, num_warps=4,
+        DK=dk, BV=block_v, UNROLL=_unroll(T), num_warps=4,
     )
     return out
 
@@ -280,7 +323,7 @@ def gated_delta_tree_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         block_v = 32
         _gated_delta_tree_kernel[(B * H, triton.cdiv(dv, block_v))](
             q_, k_, v_, g_, b_, out, state, history, parents.to(torch.int64).contiguous(), T, H, dv, history.shape[1],
-            DK=dk, BV=block_v, num_warps=4,
+            DK=dk, BV=block_v, UNROLL=_unroll(T), num_warps=4,
         )
         return out
 
