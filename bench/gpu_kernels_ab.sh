@@ -11,8 +11,8 @@
 #                folded in), unfused (q/k/v, gate/up, GDN in_proj_* separate), fused (all of it),
 #                magic (fused, the INT4 tensor-core path's 16-bit MAGIC + u operand: QFD_INT4_MAGIC=1),
 #                magic_bm32 (the same: 32-row blocks are the default now), bm16 (17-32 rows as two
-#                16-row blocks: QFD_INT4_BM32=0), gdn_loop (the GDN step kernels' token loop not
-#                unrolled: QFD_GDN_UNROLL=0)
+#                16-row blocks: QFD_INT4_BM32=0), gdn_unroll (the GDN step kernels' token loop
+#                unrolled at compile time: QFD_GDN_UNROLL=1)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks)
@@ -25,10 +25,10 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 unroll=1
+    magic=0 bm32=1 unroll=0
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
-    [ "$variant" = gdn_loop ] && unroll=0
+    [ "$variant" = gdn_unroll ] && unroll=1
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"

@@ -25,8 +25,9 @@ from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, launch_or_fallback, runs_on
 # verify's 16, a tree's N): the tokens' input loads and conv do not depend on the state, so
 # unrolled they are issued ahead instead of one memory round trip per token inside the loop
 # (the H100 profile of a compiled 16-token verify: 55 us per layer in this kernel, 25% of the
-# step). QFD_GDN_UNROLL=0 keeps the runtime loop (side-by-side runs).
-UNROLL_TOKENS = os.environ.get("QFD_GDN_UNROLL", "1") == "1"
+# step). Off until timed on a GPU (it passes the tests under Triton's interpreter):
+# QFD_GDN_UNROLL=1 turns it on (bench/gpu_kernels_ab.sh VARIANTS="fused gdn_unroll").
+UNROLL_TOKENS = os.environ.get("QFD_GDN_UNROLL", "0") == "1"
 UNROLL_MAX = 64  # longer steps (eager prompts of up to max_verify tokens) keep the loop
 
 
