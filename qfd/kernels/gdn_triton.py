@@ -31,6 +31,12 @@ UNROLL_TOKENS = os.environ.get("QFD_GDN_UNROLL", "0") == "1"
 UNROLL_MAX = 64  # longer steps (eager prompts of up to max_verify tokens) keep the loop
 
 
+# Each program owns a [dk, BLOCK_V] slice of one head's state (32 heads x 128/32 = 128
+# programs at Qwen3.5-4B shape: one per SM). bench/bench_gdn_step.py times other splits.
+BLOCK_V = int(os.environ.get("QFD_GDN_BLOCK_V", "32"))
+NUM_WARPS = int(os.environ.get("QFD_GDN_WARPS", "4"))
+
+
 def _unroll(T: int) -> int:
     return T if UNROLL_TOKENS and T <= UNROLL_MAX else 0
 
@@ -252,12 +258,12 @@ def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: to
     def launch():
         out = torch.empty(B, T, H, dv, dtype=torch.float32, device=window.device)
         a_, b_ = (a, b) if a.stride() == b.stride() and a.stride(2) == 1 and a.stride(0) == T * a.stride(1) else (a.contiguous(), b.contiguous())
-        block_v = 32
+        block_v = BLOCK_V
         _gated_delta_conv_kernel[(B * H, triton.cdiv(dv, block_v))](
             window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias,
             out, state, start, history, conv_state,
             T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, a_.stride(1),
-            DK=dk, BV=block_v, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, UNROLL=_unroll(T), num_warps=4,
+            DK=dk, BV=block_v, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, UNROLL=_unroll(T), num_warps=NUM_WARPS,
         )
         return out
 
@@ -290,10 +296,10 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return out
     q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
     out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
-    block_v = 32
+    block_v = BLOCK_V
     _gated_delta_kernel[(B * H, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, out, state, start, history, T, H, dv, history.shape[1],
-        DK=dk, BV=block_v, UNROLL=_unroll(T), num_warps=4,
+        DK=dk, BV=block_v, UNROLL=_unroll(T), num_warps=NUM_WARPS,
     )
     return out
 
@@ -321,10 +327,10 @@ def gated_delta_tree_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
     def launch():
         q_, k_, v_, g_, b_ = (x.float().contiguous() for x in (q, k, v, g, beta))
         out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
-        block_v = 32
+        block_v = BLOCK_V
         _gated_delta_tree_kernel[(B * H, triton.cdiv(dv, block_v))](
             q_, k_, v_, g_, b_, out, state, history, parents.to(torch.int64).contiguous(), T, H, dv, history.shape[1],
-            DK=dk, BV=block_v, UNROLL=_unroll(T), num_warps=4,
+            DK=dk, BV=block_v, UNROLL=_unroll(T), num_warps=NUM_WARPS,
         )
         return out
 

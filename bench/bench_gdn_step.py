@@ -1,0 +1,111 @@
+"""The Gated DeltaNet step kernel (`qfd::gated_delta_conv_step`: conv, gates and the recurrence
+of a decode / verify) alone at Qwen3.5-4B's layer shape, for a grid of launch splits side by
+side: each program owns a [dk, BLOCK_V] slice of one head's state, NUM_WARPS warps, the token
+loop at run time or unrolled. Every config's output and states are checked against the served
+config's (max |difference|).
+
+Times: CALLS calls captured in one CUDA graph, median of REPLAYS replays, microseconds per call.
+
+    python bench/bench_gdn_step.py [--tokens 1,16] [--block-v 8,16,32,64] [--warps 1,2,4,8] [--out gdn_step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qfd.kernels import gdn_triton  # noqa: E402
+from qfd.models.graphs import capture  # noqa: E402
+
+CALLS, REPLAYS = 20, 15
+K_HEADS, V_HEADS, DK, DV, KC = 16, 32, 128, 128, 4  # Qwen3.5-4B's linear attention
+
+
+def layer_inputs(T: int, device):
+    torch.manual_seed(0)
+    C = 2 * K_HEADS * DK + V_HEADS * DV
+    window = torch.randn(1, C, KC - 1 + T, device=device, dtype=torch.bfloat16)
+    conv_weight = torch.randn(C, 1, KC, device=device, dtype=torch.bfloat16) * 0.5
+    ab = torch.randn(1, T, 2 * V_HEADS, device=device, dtype=torch.bfloat16)
+    a, b = ab[..., :V_HEADS], ab[..., V_HEADS:]  # strided views, as after the fused projection
+    A_log, dt_bias = torch.randn(V_HEADS, device=device) * 0.1, torch.ones(V_HEADS, device=device)
+    state = torch.randn(1, V_HEADS, DK, DV, device=device) * 0.1
+    return window, conv_weight, a, b, A_log, dt_bias, state
+
+
+def run_config(T, device, block_v, warps, unroll):
+    """(us per call, outputs) of the op with this launch split."""
+    gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_triton.UNROLL_TOKENS = block_v, warps, unroll
+    window, conv_weight, a, b, A_log, dt_bias, state0 = layer_inputs(T, device)
+    state, start = state0.clone(), torch.empty_like(state0)
+    history = torch.empty(1, max(T, 16), V_HEADS, DK, DV, device=device)
+    conv_state = torch.empty(1, window.shape[1], KC - 1, device=device, dtype=window.dtype)
+
+    def step():
+        state.copy_(state0)  # every call from the same state (a verify then a full rollback)
+        return torch.ops.qfd.gated_delta_conv_step(window, conv_weight, a, b, A_log, dt_bias, state, start, history, conv_state, K_HEADS)
+
+    out = step().clone()
+    results = (out, state.clone(), history[:, :T].clone())
+    graph, _ = capture(lambda: [step() for _ in range(CALLS)])
+    times = []
+    for _ in range(REPLAYS):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / CALLS)
+    return statistics.median(times), results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="1,16")
+    p.add_argument("--block-v", default="8,16,32,64")
+    p.add_argument("--warps", default="1,2,4,8")
+    p.add_argument("--unroll", default="0", help="comma-separated 0/1: the token loop at run time / unrolled")
+    p.add_argument("--out", type=Path, default=Path("gdn_step.json"))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_gdn_step.py: needs a CUDA device")
+    from rich.console import Console
+    from rich.table import Table
+
+    device = torch.device("cuda")
+    served = (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_triton.UNROLL_TOKENS)
+    rows = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        base_us, base = run_config(T, device, *served)
+        rows.append({"tokens": T, "block_v": served[0], "warps": served[1], "unroll": served[2], "us": base_us, "served": True, "max_diff": 0.0})
+        for bv, warps, unroll in itertools.product((int(v) for v in args.block_v.split(",")), (int(w) for w in args.warps.split(",")), (u == "1" for u in args.unroll.split(","))):
+            if (bv, warps, unroll) == served:
+                continue
+            try:
+                us, got = run_config(T, device, bv, warps, unroll)
+            except Exception as exc:  # a split the compiler rejects
+                print(f"T={T} block_v={bv} warps={warps} unroll={unroll}: {type(exc).__name__}", file=sys.stderr)
+                continue
+            diff = max(float((g - w).abs().max()) for g, w in zip(got, base))
+            rows.append({"tokens": T, "block_v": bv, "warps": warps, "unroll": unroll, "us": us, "served": False, "max_diff": diff})
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+    gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_triton.UNROLL_TOKENS = served
+    table = Table(title=f"GDN step kernel at Qwen3.5-4B's layer shape, us per call in a CUDA graph ({torch.cuda.get_device_name()})")
+    for col in ("tokens", "block_v", "warps", "unroll", "us", "x served", "max |diff| vs served"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        base_us = next(b["us"] for b in rows if b["tokens"] == r["tokens"] and b["served"])
+        table.add_row(str(r["tokens"]), str(r["block_v"]), str(r["warps"]), str(r["unroll"]), f"{r['us']:.1f}", f"{base_us / r['us']:.2f}x" + (" (served)" if r["served"] else ""), f"{r['max_diff']:.1e}")
+    Console(width=140).print(table)
+
+
+if __name__ == "__main__":
+    main()
