@@ -236,3 +236,15 @@ def test_flash_linear_attention_prefill_equals_the_float32_recurrence():
         scale = float(want.abs().max())
         assert float((got - want).abs().max()) <= 3e-2 * scale, float((got - want).abs().max()) / scale
     assert not torch.equal(got_final, state)
+
+
+def test_static_caches_on_cuda_hold_whole_value_chunks():
+    """On CUDA a static cache's length is rounded up to whole VALUE_CHUNKs, so the split values
+    product reads V in place (a partial chunk made torch.compile copy V every step); the CPU
+    keeps the exact length."""
+    from qfd.models.target import static_cache_len
+
+    assert static_cache_len(8448 + 300, torch.device("cpu")) == 8748
+    for n in (1, VALUE_CHUNK, VALUE_CHUNK + 1, 8748):
+        got = static_cache_len(n, torch.device("cuda"))
+        assert got % VALUE_CHUNK == 0 and n <= got < n + VALUE_CHUNK
