@@ -91,15 +91,14 @@ def conv_step_inputs(dtype, device, B=2, T=5, k_heads=2, dk=32, H=4, dv=48, kc=4
     return [x.to(device) for x in (window, conv_weight, a, b, A_log, dt_bias, state)], (k_heads, dk, H, dv)
 
 
-def check_conv_step(device, dtype, tol):
-    (window, conv_weight, a, b, A_log, dt_bias, state), dims = conv_step_inputs(dtype, device)
+def check_conv_step(device, dtype, tol, T=5):
+    (window, conv_weight, a, b, A_log, dt_bias, state), dims = conv_step_inputs(dtype, device, T=T)
     B, C, W = window.shape
-    T = a.shape[1]
     q, k, v, g, beta = conv_and_gates(window.cpu(), conv_weight.cpu(), a.cpu(), b.cpu(), A_log.cpu(), dt_bias.cpu(), dims, dtype)
-    expected_history = torch.zeros(B, 16, *state.shape[1:])
+    expected_history = torch.zeros(B, max(16, T), *state.shape[1:])
     expected_out, expected_final = recurrent_gated_delta(q, k, v, g, beta, state.cpu(), history=expected_history)
     live, start = state.clone(), torch.zeros_like(state)
-    history = torch.zeros(B, 16, *state.shape[1:], device=device)
+    history = torch.zeros(B, max(16, T), *state.shape[1:], device=device)
     conv_state = torch.zeros(B, C, conv_weight.shape[-1] - 1, dtype=dtype, device=device)
     out = gdn_triton.gated_delta_conv_step(window, conv_weight, a, b, A_log, dt_bias, live, start, history, conv_state, dims[0])
     torch.testing.assert_close(out.cpu(), expected_out, rtol=tol, atol=tol)
@@ -118,6 +117,26 @@ def test_the_conv_op_equals_conv_and_gates_then_the_recurrence():
 def test_conv_kernel_matches_the_torch_layer_math(dtype, tol, unroll):
     """bf16: the kernel rounds where the module does (conv, SiLU, beta); sums differ in order."""
     check_conv_step(KERNEL_DEVICE, dtype, tol)
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [2, 5, 16, 20])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_parallel_verify_kernel_matches_the_torch_layer_math(T, dtype, tol, monkeypatch):
+    """QFD_GDN_VERIFY=chunk: the step's tokens in the WY form (gdn_verify_triton) give the
+    token-by-token recurrence's outputs, final state, rollback history and conv state, for
+    steps padded to 16 and to 32 tokens."""
+    from qfd import kernels
+    from qfd.kernels import gdn_verify_triton
+
+    monkeypatch.setattr(gdn_verify_triton, "CHUNK_VERIFY", True)
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    launches = []
+    real_launch = gdn_verify_triton.launch
+    monkeypatch.setattr(gdn_verify_triton, "launch", lambda *args: launches.append(T) or real_launch(*args))
+    assert gdn_verify_triton.takes(T)
+    check_conv_step(KERNEL_DEVICE, dtype, tol, T=T)
+    assert launches == [T] and not kernels._FAILED  # the parallel kernel ran (no torch fallback)
 
 
 @pytest.mark.parametrize("S", [4 * VALUE_CHUNK, 5 * VALUE_CHUNK + 37])

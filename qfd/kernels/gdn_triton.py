@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
+from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, gdn_verify_triton, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
 
 
 # The token loop of a step unrolled at compile time (one kernel variant per step size: 1, a
@@ -259,6 +259,10 @@ def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: to
         out = torch.empty(B, T, H, dv, dtype=torch.float32, device=window.device)
         a_, b_ = (a, b) if a.stride() == b.stride() and a.stride(2) == 1 and a.stride(0) == T * a.stride(1) else (a.contiguous(), b.contiguous())
         block_v = BLOCK_V
+        if gdn_verify_triton.takes(T):  # the tokens in parallel (WY form), not one after another
+            gdn_verify_triton.launch(window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias, out, state, start, history, conv_state,
+                                     k_heads, a_.stride(1), block_v, NUM_WARPS)
+            return out
         _gated_delta_conv_kernel[(B * H, triton.cdiv(dv, block_v))](
             window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias,
             out, state, start, history, conv_state,
