@@ -45,18 +45,19 @@ if _HAVE_TRITON:
         """SiLU(depthwise conv) of every token of the step for channels `chan`: a [TP, len(chan)]
         tile, rounded like `gdn_triton._conv_silu` (to the window's dtype after the conv and
         after the SiLU); rows past the step's tokens are 0."""
-        mask = t_mask[:, None] & chan_mask[None, :]
-        y = tl.zeros((offs_t.shape[0], chan.shape[0]), dtype=tl.float32)
+        # built as [channels, tokens] so each load reads a channel's window columns contiguously
+        mask = chan_mask[:, None] & t_mask[None, :]
+        y = tl.zeros((chan.shape[0], offs_t.shape[0]), dtype=tl.float32)
         for i in tl.static_range(KC):
             w = tl.load(cw_ptr + chan * KC + i, mask=chan_mask, other=0.0).to(tl.float32)
-            x = tl.load(win_ptr + chan[None, :] * W + offs_t[:, None] + i, mask=mask, other=0.0).to(tl.float32)
-            y += x * w[None, :]
+            x = tl.load(win_ptr + chan[:, None] * W + offs_t[None, :] + i, mask=mask, other=0.0).to(tl.float32)
+            y += x * w[:, None]
         if ROUND:
             y = y.to(win_ptr.dtype.element_ty).to(tl.float32)
         y = y * tl.sigmoid(y)
         if ROUND:
             y = y.to(win_ptr.dtype.element_ty).to(tl.float32)
-        return tl.where(mask, y, 0.0)
+        return tl.trans(tl.where(mask, y, 0.0))
 
     @triton.jit
     def _pick(vec, offs, t):
