@@ -5,7 +5,8 @@ loop at run time or unrolled, or (`--verify chunk`) the step's tokens in paralle
 (`qfd.kernels.gdn_verify_triton`, the WY form). Every config's output and states are checked against the served
 config's (max |difference|).
 
-Times: CALLS calls captured in one CUDA graph, median of REPLAYS replays, microseconds per call.
+Times: `bench_int4_kernels.graph_time_us` (20 calls captured in one CUDA graph, median of 15
+replays), microseconds per call.
 
     python bench/bench_gdn_step.py [--tokens 1,16] [--block-v 8,16,32,64] [--warps 1,2,4,8] [--verify loop,chunk] [--out gdn_step.json]
 """
@@ -15,18 +16,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_int4_kernels import graph_time_us  # noqa: E402
 from qfd.kernels import gdn_triton, gdn_verify_triton  # noqa: E402
-from qfd.models.graphs import capture  # noqa: E402
-
-CALLS, REPLAYS = 20, 15
 K_HEADS, V_HEADS, DK, DV, KC = 16, 32, 128, 128, 4  # Qwen3.5-4B's linear attention
 
 
@@ -57,16 +56,7 @@ def run_config(T, device, block_v, warps, unroll, chunk):
 
     out = step().clone()
     results = (out, state.clone(), history[:, :T].clone())
-    graph, _ = capture(lambda: [step() for _ in range(CALLS)])
-    times = []
-    for _ in range(REPLAYS):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times), results
+    return graph_time_us(step), results
 
 
 def main() -> None:

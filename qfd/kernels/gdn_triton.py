@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, gdn_verify_triton, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
+from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
 
 
 # The token loop of a step unrolled at compile time (one kernel variant per step size: 1, a
@@ -197,18 +197,7 @@ if _HAVE_TRITON:
         program of that key head."""
         bh = tl.program_id(0)
         vb = tl.program_id(1)
-        b, h = bh // H, bh % H
-        kh = h // REP
-        offs_k = tl.arange(0, DK)
-        offs_v = vb * BV + tl.arange(0, BV)
-        v_mask = offs_v < DV
-        k_mask = offs_k < DK
-        tile = offs_k[:, None] * DV + offs_v[None, :]
-        tile_mask = k_mask[:, None] & v_mask[None, :]
-        win = win_ptr + b * C * W
-        c_q = kh * DK + offs_k
-        c_k = KD + kh * DK + offs_k
-        c_v = 2 * KD + h * DV + offs_v
+        b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win, c_q, c_k, c_v = _window_program(win_ptr, bh, vb, H, DV, C, W, KD, REP, DK, BV)
         neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
         state_off = bh * DK * DV
@@ -223,7 +212,28 @@ if _HAVE_TRITON:
                 state = _conv_token(state, t, b, h, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
                                     k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale, DK, KC, KCP, ROUND)
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
-        # the conv state after the step: the window's last KC-1 columns
+        _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
+
+    @triton.jit
+    def _window_program(win_ptr, bh, vb, H, DV, C, W, KD, REP, DK: tl.constexpr, BV: tl.constexpr):
+        """What a (batch*head, dv block) program of a conv-window step kernel reads: batch b, value
+        head h (key head h // REP), the k/v offsets and masks, its [DK, BV] state tile's offsets and
+        mask, its batch's window and its q/k/v channels (q [0, KD), k [KD, 2KD), v [2KD, C))."""
+        b, h = bh // H, bh % H
+        kh = h // REP
+        offs_k = tl.arange(0, DK)
+        offs_v = vb * BV + tl.arange(0, BV)
+        k_mask = offs_k < DK
+        v_mask = offs_v < DV
+        tile = offs_k[:, None] * DV + offs_v[None, :]
+        tile_mask = k_mask[:, None] & v_mask[None, :]
+        c_q = kh * DK + offs_k
+        return b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win_ptr + b * C * W, c_q, KD + c_q, 2 * KD + h * DV + offs_v
+
+    @triton.jit
+    def _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC: tl.constexpr, KCP: tl.constexpr):
+        """The conv state after a T-token step: the window's last KC-1 columns, for the program's
+        v channels, and for its key head's q/k channels by the first program of that key head."""
         taps = tl.arange(0, KCP)
         keep = (taps < KC - 1)[None, :]
         conv = conv_ptr + b * C * (KC - 1)
@@ -258,6 +268,8 @@ def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: to
     def launch():
         out = torch.empty(B, T, H, dv, dtype=torch.float32, device=window.device)
         a_, b_ = (a, b) if a.stride() == b.stride() and a.stride(2) == 1 and a.stride(0) == T * a.stride(1) else (a.contiguous(), b.contiguous())
+        from qfd.kernels import gdn_verify_triton  # (it builds on this module's helpers)
+
         block_v = BLOCK_V
         if gdn_verify_triton.takes(T):  # the tokens in parallel (WY form), not one after another
             gdn_verify_triton.launch(window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias, out, state, start, history, conv_state,

@@ -29,6 +29,9 @@ import torch
 
 from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, tl, triton  # noqa: F401 (tl: the kernel)
 
+if _HAVE_TRITON:
+    from qfd.kernels.gdn_triton import _save_conv_state, _window_program  # the loop kernel's shared pieces
+
 CHUNK_VERIFY = os.environ.get("QFD_GDN_VERIFY", "loop") == "chunk"
 MAX_TOKENS = 32  # a step of more tokens keeps the token loop
 
@@ -75,20 +78,9 @@ if _HAVE_TRITON:
         log2(TP) - 1."""
         bh = tl.program_id(0)
         vb = tl.program_id(1)
-        b, h = bh // H, bh % H
-        kh = h // REP
+        b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win, c_q, c_k, c_v = _window_program(win_ptr, bh, vb, H, DV, C, W, KD, REP, DK, BV)
         offs_t = tl.arange(0, TP)
         t_mask = offs_t < T
-        offs_k = tl.arange(0, DK)
-        offs_v = vb * BV + tl.arange(0, BV)
-        v_mask = offs_v < DV
-        k_mask = offs_k < DK
-        tile = offs_k[:, None] * DV + offs_v[None, :]
-        tile_mask = k_mask[:, None] & v_mask[None, :]
-        win = win_ptr + b * C * W
-        c_q = kh * DK + offs_k
-        c_k = KD + kh * DK + offs_k
-        c_v = 2 * KD + h * DV + offs_v
 
         # the step's inputs, all tokens at once (as conv_and_gates)
         q = _conv_tile(win, cw_ptr, c_q, k_mask, offs_t, t_mask, W, KC, ROUND)  # [TP, DK]
@@ -141,16 +133,7 @@ if _HAVE_TRITON:
             s_t = tl.exp(g_t) * s0 + tl.dot(kt * weights[None, :], u, input_precision="ieee")
             tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, s_t, mask=tile_mask & (t < T) & (t < HIST_T))
         tl.store(s_ptr + state_off + tile, s_t, mask=tile_mask)  # padded tokens leave it as after token T-1
-
-        # the conv state after the step: the window's last KC-1 columns
-        taps = tl.arange(0, KCP)
-        keep = (taps < KC - 1)[None, :]
-        conv = conv_ptr + b * C * (KC - 1)
-        tl.store(conv + c_v[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_v[:, None] * W + T + taps[None, :], mask=v_mask[:, None] & keep), mask=v_mask[:, None] & keep)
-        if (h % REP == 0) & (vb == 0):
-            qk_mask = k_mask[:, None] & keep
-            tl.store(conv + c_q[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_q[:, None] * W + T + taps[None, :], mask=qk_mask), mask=qk_mask)
-            tl.store(conv + c_k[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_k[:, None] * W + T + taps[None, :], mask=qk_mask), mask=qk_mask)
+        _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
 
 
 def launch(window, conv_weight, a, b, A_log, dt_bias, out, state, start, history, conv_state, k_heads: int, ab_row: int, block_v: int, num_warps: int) -> None:
