@@ -198,6 +198,22 @@ def test_tree_kernel_matches_the_torch_recurrence_along_every_path(unroll):
     check_tree_step(KERNEL_DEVICE)
 
 
+@needs_triton
+def test_parallel_tree_kernel_matches_the_torch_recurrence_along_every_path(monkeypatch):
+    """QFD_GDN_VERIFY=chunk: a tree's nodes in the WY form over each node's ancestors equal
+    each path run token by token (outputs and every node's state), and that kernel ran."""
+    from qfd import kernels
+    from qfd.kernels import gdn_verify_triton
+
+    monkeypatch.setattr(gdn_verify_triton, "CHUNK_VERIFY", True)
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    launches = []
+    real_launch = gdn_verify_triton.launch_tree
+    monkeypatch.setattr(gdn_verify_triton, "launch_tree", lambda *args: launches.append(1) or real_launch(*args))
+    check_tree_step(KERNEL_DEVICE)
+    assert launches == [1] and not kernels._FAILED
+
+
 @pytest.mark.parametrize("T,chunk", [(37, 16), (64, 16), (5, 32)])
 def test_chunked_form_equals_the_recurrence(T, chunk, monkeypatch):
     """`chunked_gated_delta` (long prompts) gives the token-by-token recurrence's outputs and

@@ -341,9 +341,14 @@ def gated_delta_tree_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
         return tree_gated_delta(q, k, v, g, beta, state, parents, history)
 
     def launch():
+        from qfd.kernels import gdn_verify_triton  # (it builds on this module's helpers)
+
         q_, k_, v_, g_, b_ = (x.float().contiguous() for x in (q, k, v, g, beta))
         out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
         block_v = BLOCK_V
+        if gdn_verify_triton.takes(T):  # the nodes in parallel (WY form over each node's path)
+            gdn_verify_triton.launch_tree(q_, k_, v_, g_, b_, parents.to(torch.int64).contiguous(), out, state, history, block_v, NUM_WARPS)
+            return out
         _gated_delta_tree_kernel[(B * H, triton.cdiv(dv, block_v))](
             q_, k_, v_, g_, b_, out, state, history, parents.to(torch.int64).contiguous(), T, H, dv, history.shape[1],
             DK=dk, BV=block_v, UNROLL=_unroll(T), num_warps=NUM_WARPS,

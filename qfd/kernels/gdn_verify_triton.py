@@ -17,8 +17,12 @@ chain. With gamma_t = exp(g_1 + ... + g_t) within the step and S_0 the state bef
 product runs in float32 (`input_precision="ieee"`). The S_t are independent of each other,
 so writing the history is plain stores, not a chain.
 
+A draft tree's verify (`gdn_triton.gated_delta_tree_step`) is the same with the lower
+triangle replaced by each node's ancestors (the closure of the parent links, by repeated
+squaring) and gamma_t the decay along the node's path.
+
 Not yet timed on a GPU (tested under Triton's interpreter): off by default,
-`QFD_GDN_VERIFY=chunk` turns it on.
+`QFD_GDN_VERIFY=chunk` turns it on for both.
 """
 
 from __future__ import annotations
@@ -68,6 +72,39 @@ if _HAVE_TRITON:
         return tl.sum(tl.where(offs == t, vec, 0.0), axis=0)
 
     @triton.jit
+    def _wy_step(q, k, v, beta, gamma, ratio, s0, rows, cols, FACTORS: tl.constexpr):
+        """The step in the WY form from its [TP, d] inputs, the state slice s0 [DK, BV], gamma
+        [TP] and ratio [TP, TP] (gamma_t / gamma_i where token i is t or one of the tokens t
+        continues, else 0: a lower triangle for a chain, the ancestors for a tree). Returns the
+        corrected values u and the outputs, both [TP, BV]."""
+        kk = tl.dot(k, tl.trans(k), input_precision="ieee")
+        a_mat = tl.where(cols < rows, beta[:, None] * ratio * kk, 0.0)  # the tokens before t on its path
+        # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A is nilpotent (A^TP = 0)
+        eye = tl.where(rows == cols, 1.0, 0.0)
+        power = -a_mat
+        inverse = eye + power
+        for _ in tl.static_range(FACTORS):
+            power = tl.dot(power, power, input_precision="ieee")
+            inverse = tl.dot(inverse, eye + power, input_precision="ieee")
+        rhs = beta[:, None] * (v - gamma[:, None] * tl.dot(k, s0, input_precision="ieee"))
+        u = tl.dot(inverse, rhs, input_precision="ieee")
+        qk = ratio * tl.dot(q, tl.trans(k), input_precision="ieee")
+        out = gamma[:, None] * tl.dot(q, s0, input_precision="ieee") + tl.dot(qk, u, input_precision="ieee")
+        return u, out
+
+    @triton.jit
+    def _write_states(s0, k, u, ratio, gamma, offs_t, hist_ptr, b, h, H, T, HIST_T, DV, tile, tile_mask, DK: tl.constexpr, TP: tl.constexpr):
+        """The state after every token t < T into the history (independent of each other:
+        gamma_t s0 + sum_i ratio[t, i] k_i u_i^T); returns the last one computed (token TP-1)."""
+        kt = tl.trans(k)  # [DK, TP]
+        s_t = s0
+        for t in tl.static_range(TP):
+            weights = tl.sum(tl.where(offs_t[:, None] == t, ratio, 0.0), axis=0)  # row t of ratio
+            s_t = _pick(gamma, offs_t, t) * s0 + tl.dot(kt * weights[None, :], u, input_precision="ieee")
+            tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, s_t, mask=tile_mask & (t < T) & (t < HIST_T))
+        return s_t
+
+    @triton.jit
     def _gated_delta_chunk_kernel(
         win_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, start_ptr, hist_ptr, conv_ptr,
         T, H, DV, HIST_T, C, W, KD, REP, scale, AB_ROW,
@@ -105,35 +142,77 @@ if _HAVE_TRITON:
 
         rows = offs_t[:, None]
         cols = offs_t[None, :]
-        ratio = tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0))  # gamma_t / gamma_i (<= 1 where i <= t)
-        kk = tl.dot(k, tl.trans(k), input_precision="ieee")  # [TP, TP]
-        a_mat = tl.where(cols < rows, beta[:, None] * ratio * kk, 0.0)
-        # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A is nilpotent (A^TP = 0)
-        eye = tl.where(rows == cols, 1.0, 0.0)
-        power = -a_mat
-        inverse = eye + power
-        for _ in tl.static_range(FACTORS):
-            power = tl.dot(power, power, input_precision="ieee")
-            inverse = tl.dot(inverse, eye + power, input_precision="ieee")
-        ks0 = tl.dot(k, s0, input_precision="ieee")  # [TP, BV]
-        rhs = beta[:, None] * (v - gamma[:, None] * ks0)
-        u = tl.dot(inverse, rhs, input_precision="ieee")  # [TP, BV] corrected values
-
-        qk = tl.where(cols <= rows, ratio * tl.dot(q, tl.trans(k), input_precision="ieee"), 0.0)
-        out = gamma[:, None] * tl.dot(q, s0, input_precision="ieee") + tl.dot(qk, u, input_precision="ieee")
+        ratio = tl.where(cols <= rows, tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0)), 0.0)  # gamma_t / gamma_i, i <= t
+        u, out = _wy_step(q, k, v, beta, gamma, ratio, s0, rows, cols, FACTORS)
         row = (b * T + offs_t) * H + h
         tl.store(o_ptr + row[:, None] * DV + offs_v[None, :], out, mask=t_mask[:, None] & v_mask[None, :])
-
-        # the state after every token (independent of each other), then the final one
-        kt = tl.trans(k)  # [DK, TP]
-        s_t = s0
-        for t in tl.static_range(TP):
-            g_t = _pick(G, offs_t, t)
-            weights = tl.where(offs_t <= t, tl.exp(tl.minimum(g_t - G, 0.0)), 0.0)  # gamma_t / gamma_i, i <= t
-            s_t = tl.exp(g_t) * s0 + tl.dot(kt * weights[None, :], u, input_precision="ieee")
-            tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, s_t, mask=tile_mask & (t < T) & (t < HIST_T))
+        s_t = _write_states(s0, k, u, ratio, gamma, offs_t, hist_ptr, b, h, H, T, HIST_T, DV, tile, tile_mask, DK, TP)
         tl.store(s_ptr + state_off + tile, s_t, mask=tile_mask)  # padded tokens leave it as after token T-1
         _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
+
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _gated_delta_tree_chunk_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, par_ptr, o_ptr, s_ptr, hist_ptr,
+        T, H, DV, HIST_T,
+        DK: tl.constexpr, BV: tl.constexpr, TP: tl.constexpr, FACTORS: tl.constexpr,
+    ):
+        """A draft tree's nodes in the WY form: node t continues its parent's state (parents
+        [T] int64, parents before children), so the chain's lower triangle becomes each node's
+        ancestors, and gamma_t the decay along its path. Prepared inputs as `gdn_triton`'s
+        `_gated_delta_tree_kernel` (q/k [B, T, H, DK], v/o [B, T, H, DV], g/beta [B, T, H],
+        float32); writes every node's state to the history and leaves the state as it was."""
+        bh = tl.program_id(0)
+        b, h = bh // H, bh % H
+        offs_t = tl.arange(0, TP)
+        t_mask = offs_t < T
+        offs_k = tl.arange(0, DK)
+        offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+        v_mask = offs_v < DV
+        tile = offs_k[:, None] * DV + offs_v[None, :]
+        tile_mask = (offs_k[:, None] < DK) & v_mask[None, :]
+        row = (b * T + offs_t) * H + h
+        q = tl.load(q_ptr + row[:, None] * DK + offs_k[None, :], mask=t_mask[:, None], other=0.0)  # [TP, DK]
+        k = tl.load(k_ptr + row[:, None] * DK + offs_k[None, :], mask=t_mask[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] * DV + offs_v[None, :], mask=t_mask[:, None] & v_mask[None, :], other=0.0)
+        g = tl.load(g_ptr + row, mask=t_mask, other=0.0)
+        beta = tl.load(b_ptr + row, mask=t_mask, other=0.0)
+
+        # ancestors-or-self: the closure of (I + parent one-hot) by repeated squaring (exact 0/1)
+        rows = offs_t[:, None]
+        cols = offs_t[None, :]
+        parent = tl.load(par_ptr + offs_t, mask=t_mask & (offs_t > 0), other=-1)
+        path = tl.where((rows == cols) | (cols == parent[:, None]), 1.0, 0.0)
+        for _ in tl.static_range(FACTORS + 1):  # log2(TP) squarings cover depth TP
+            path = tl.minimum(tl.dot(path, path, input_precision="ieee"), 1.0)
+        G = tl.sum(path * g[None, :], axis=1)  # log decay along each node's path
+        gamma = tl.exp(G)
+        ratio = tl.where(path > 0.5, tl.exp(tl.minimum(G[:, None] - G[None, :], 0.0)), 0.0)  # gamma_t / gamma_i on the path
+
+        s0 = tl.load(s_ptr + bh * DK * DV + tile, mask=tile_mask, other=0.0)
+        u, out = _wy_step(q, k, v, beta, gamma, ratio, s0, rows, cols, FACTORS)
+        tl.store(o_ptr + row[:, None] * DV + offs_v[None, :], out, mask=t_mask[:, None] & v_mask[None, :])
+        _write_states(s0, k, u, ratio, gamma, offs_t, hist_ptr, b, h, H, T, HIST_T, DV, tile, tile_mask, DK, TP)
+
+
+def _tokens_tile(T: int) -> tuple[int, int]:
+    """(TP, FACTORS): T rounded up to a power of two >= 16 (tl.dot's smallest tile), log2(TP) - 1."""
+    tp = max(16, triton.next_power_of_2(T))
+    return tp, tp.bit_length() - 2
+
+
+def launch_tree(q, k, v, g, beta, parents, out, state, history, block_v: int, num_warps: int) -> None:
+    """`_gated_delta_tree_chunk_kernel` over a tree step (`gdn_triton.gated_delta_tree_step`'s
+    tensors, contiguous float32; parents int64)."""
+    B, T, H, dk = k.shape
+    dv = v.shape[-1]
+    tp, factors = _tokens_tile(T)
+    _gated_delta_tree_chunk_kernel[(B * H, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, parents, out, state, history, T, H, dv, history.shape[1],
+        DK=dk, BV=block_v, TP=tp, FACTORS=factors, num_warps=num_warps,
+    )
 
 
 def launch(window, conv_weight, a, b, A_log, dt_bias, out, state, start, history, conv_state, k_heads: int, ab_row: int, block_v: int, num_warps: int) -> None:
@@ -143,10 +222,10 @@ def launch(window, conv_weight, a, b, A_log, dt_bias, out, state, start, history
     T, H = a.shape[1], a.shape[2]
     dk, dv = state.shape[-2], state.shape[-1]
     kc = conv_weight.shape[-1]
-    tp = max(16, triton.next_power_of_2(T))
+    tp, factors = _tokens_tile(T)
     _gated_delta_chunk_kernel[(B * H, triton.cdiv(dv, block_v))](
         window, conv_weight, a, b, A_log, dt_bias, out, state, start, history, conv_state,
         T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, ab_row,
-        DK=dk, BV=block_v, TP=tp, FACTORS=tp.bit_length() - 2, KC=kc, KCP=triton.next_power_of_2(kc),
+        DK=dk, BV=block_v, TP=tp, FACTORS=factors, KC=kc, KCP=triton.next_power_of_2(kc),
         ROUND=window.dtype != torch.float32, num_warps=num_warps,
     )
