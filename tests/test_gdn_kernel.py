@@ -268,9 +268,12 @@ def test_flash_linear_attention_prefill_equals_the_float32_recurrence():
     q, k, v, g, beta, state = (t.cuda() for t in step_inputs(B=1, T=200, H=4, dk=128, dv=128, seed=3))
     v = v.to(torch.bfloat16)
     expected, final = recurrent_gated_delta(q, k, v, g, beta, state)
+    from qfd import kernels
+
     with torch.inference_mode():
         assert gdn_fla.takes(q)
         out, got_final = chunked_gated_delta(q, k, v, g, beta, state)
+    assert not kernels._FAILED  # the package's kernels ran (no fallback to qfd's form)
     for got, want in ((out, expected), (got_final, final)):
         scale = float(want.abs().max())
         assert float((got - want).abs().max()) <= 3e-2 * scale, float((got - want).abs().max()) / scale
@@ -287,3 +290,28 @@ def test_static_caches_on_cuda_hold_whole_value_chunks():
     for n in (1, VALUE_CHUNK, VALUE_CHUNK + 1, 8748):
         got = static_cache_len(n, torch.device("cuda"))
         assert got % VALUE_CHUNK == 0 and n <= got < n + VALUE_CHUNK
+
+
+def test_a_failing_flash_linear_attention_prefill_falls_back_to_qfds_form(monkeypatch):
+    """If the package's kernels fail on a GPU (a Triton version they do not compile with), the
+    prompt still runs through qfd's own chunked form, with one warning."""
+    from qfd import kernels
+    from qfd.kernels import gdn_fla
+    from qfd.models.gdn import chunked_gated_delta, chunked_gated_delta_qfd
+
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    monkeypatch.setattr(gdn_fla, "takes", lambda q: True)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("triton: out of resources")
+
+    monkeypatch.setattr(gdn_fla, "chunked_gated_delta", broken)
+    q, k, v, g, beta, state = step_inputs(B=1, T=40, dk=32, dv=48)
+    with pytest.warns(RuntimeWarning, match="flash-linear-attention"):
+        out, final = chunked_gated_delta(q, k, v, g, beta, state, chunk_size=16)
+    expected, expected_final = chunked_gated_delta_qfd(q, k, v, g, beta, state, chunk_size=16)
+    assert torch.equal(out, expected) and torch.equal(final, expected_final)
+    chunked_gated_delta(q, k, v, g, beta, state, chunk_size=16)
+    assert calls == [1]  # not retried

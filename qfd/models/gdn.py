@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qfd.kernels import gdn_chunk_triton, gdn_fla
+from qfd.kernels import gdn_chunk_triton, gdn_fla, launch_or_fallback
 from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
 
 
@@ -106,9 +106,17 @@ def chunked_gated_delta(q, k, v, g, beta, state, chunk_size: int = 64):
     """Chunkwise gated delta rule (same arguments and results as `recurrent_gated_delta`,
     no history): inside a chunk the delta-rule updates are folded into one triangular solve
     (the WY / UT transform), across chunks the state is carried sequentially. On a GPU with
-    flash-linear-attention installed its fused kernels do it (`qfd.kernels.gdn_fla`)."""
+    flash-linear-attention installed its fused kernels do it (`qfd.kernels.gdn_fla`; if they
+    fail on this GPU / Triton, qfd's own form from then on, with a warning)."""
     if gdn_fla.takes(q):
-        return gdn_fla.chunked_gated_delta(q, k, v, g, beta, state)
+        return launch_or_fallback("flash-linear-attention chunk_gated_delta_rule", lambda: gdn_fla.chunked_gated_delta(q, k, v, g, beta, state),
+                                  lambda: chunked_gated_delta_qfd(q, k, v, g, beta, state, chunk_size))
+    return chunked_gated_delta_qfd(q, k, v, g, beta, state, chunk_size)
+
+
+def chunked_gated_delta_qfd(q, k, v, g, beta, state, chunk_size: int = 64):
+    """`chunked_gated_delta` in qfd's own code: batched torch ops inside the chunks, the walk
+    across chunks in one Triton kernel where it runs (`gdn_chunk_triton`), else a torch loop."""
     B, T, H, dk = k.shape
     dv = v.shape[-1]
     q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [B, H, T, d]
