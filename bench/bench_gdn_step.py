@@ -1,7 +1,7 @@
 """The Gated DeltaNet step kernel (`qfd::gated_delta_conv_step`: conv, gates and the recurrence
 of a decode / verify) alone at Qwen3.5-4B's layer shape, for a grid of launch splits side by
 side: each program owns a [dk, BLOCK_V] slice of one head's state, NUM_WARPS warps, the token
-loop at run time or unrolled, or (`--verify chunk`) the step's tokens in parallel
+loop, or (`--verify chunk`) the step's tokens in parallel
 (`qfd.kernels.gdn_verify_triton`, the WY form). Every config's output and states are checked against the served
 config's (max |difference|).
 
@@ -41,9 +41,9 @@ def layer_inputs(T: int, device):
     return window, conv_weight, a, b, A_log, dt_bias, state
 
 
-def run_config(T, device, block_v, warps, unroll, chunk):
+def run_config(T, device, block_v, warps, chunk):
     """(us per call, outputs) of the op with this launch split (chunk: the parallel verify form)."""
-    gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_triton.UNROLL_TOKENS = block_v, warps, unroll
+    gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS = block_v, warps
     gdn_verify_triton.CHUNK_VERIFY = chunk
     window, conv_weight, a, b, A_log, dt_bias, state0 = layer_inputs(T, device)
     state, start = state0.clone(), torch.empty_like(state0)
@@ -64,7 +64,6 @@ def main() -> None:
     p.add_argument("--tokens", default="1,16")
     p.add_argument("--block-v", default="8,16,32,64")
     p.add_argument("--warps", default="1,2,4,8")
-    p.add_argument("--unroll", default="0", help="comma-separated 0/1: the token loop at run time / unrolled")
     p.add_argument("--verify", default="loop,chunk", help="comma-separated: loop (token by token), chunk (the parallel WY form, 2-32 tokens)")
     p.add_argument("--out", type=Path, default=Path("gdn_step.json"))
     args = p.parse_args()
@@ -74,30 +73,30 @@ def main() -> None:
     from rich.table import Table
 
     device = torch.device("cuda")
-    served = (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_triton.UNROLL_TOKENS, gdn_verify_triton.CHUNK_VERIFY)
+    served = (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_verify_triton.CHUNK_VERIFY)
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         base_us, base = run_config(T, device, *served)
-        rows.append({"tokens": T, "block_v": served[0], "warps": served[1], "unroll": served[2], "verify": "chunk" if served[3] else "loop", "us": base_us, "served": True, "max_diff": 0.0})
-        grid = itertools.product((int(v) for v in args.block_v.split(",")), (int(w) for w in args.warps.split(",")), (u == "1" for u in args.unroll.split(",")), (f == "chunk" for f in args.verify.split(",")))
-        for bv, warps, unroll, chunk in grid:
-            if (bv, warps, unroll, chunk) == served or (chunk and (unroll or not gdn_verify_triton.MAX_TOKENS >= T > 1)):
-                continue  # the parallel form has no token loop to unroll, and takes 2..32 tokens
+        rows.append({"tokens": T, "block_v": served[0], "warps": served[1], "verify": "chunk" if served[2] else "loop", "us": base_us, "served": True, "max_diff": 0.0})
+        grid = itertools.product((int(v) for v in args.block_v.split(",")), (int(w) for w in args.warps.split(",")), (f == "chunk" for f in args.verify.split(",")))
+        for bv, warps, chunk in grid:
+            if (bv, warps, chunk) == served or (chunk and not gdn_verify_triton.MAX_TOKENS >= T > 1):
+                continue  # the parallel form takes 2..32 tokens
             try:
-                us, got = run_config(T, device, bv, warps, unroll, chunk)
+                us, got = run_config(T, device, bv, warps, chunk)
             except Exception as exc:  # a split the compiler rejects
-                print(f"T={T} block_v={bv} warps={warps} unroll={unroll} chunk={chunk}: {type(exc).__name__}", file=sys.stderr)
+                print(f"T={T} block_v={bv} warps={warps} chunk={chunk}: {type(exc).__name__}", file=sys.stderr)
                 continue
             diff = max(float((g - w).abs().max()) for g, w in zip(got, base))
-            rows.append({"tokens": T, "block_v": bv, "warps": warps, "unroll": unroll, "verify": "chunk" if chunk else "loop", "us": us, "served": False, "max_diff": diff})
+            rows.append({"tokens": T, "block_v": bv, "warps": warps, "verify": "chunk" if chunk else "loop", "us": us, "served": False, "max_diff": diff})
         args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
-    gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_triton.UNROLL_TOKENS, gdn_verify_triton.CHUNK_VERIFY = served
+    gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_verify_triton.CHUNK_VERIFY = served
     table = Table(title=f"GDN step kernel at Qwen3.5-4B's layer shape, us per call in a CUDA graph ({torch.cuda.get_device_name()})")
-    for col in ("tokens", "verify", "block_v", "warps", "unroll", "us", "x served", "max |diff| vs served"):
+    for col in ("tokens", "verify", "block_v", "warps", "us", "x served", "max |diff| vs served"):
         table.add_column(col, justify="right")
     for r in rows:
         base_us = next(b["us"] for b in rows if b["tokens"] == r["tokens"] and b["served"])
-        table.add_row(str(r["tokens"]), r["verify"], str(r["block_v"]), str(r["warps"]), str(r["unroll"]), f"{r['us']:.1f}", f"{base_us / r['us']:.2f}x" + (" (served)" if r["served"] else ""), f"{r['max_diff']:.1e}")
+        table.add_row(str(r["tokens"]), r["verify"], str(r["block_v"]), str(r["warps"]), f"{r['us']:.1f}", f"{base_us / r['us']:.2f}x" + (" (served)" if r["served"] else ""), f"{r['max_diff']:.1e}")
     Console(width=140).print(table)
 
 

@@ -11,8 +11,7 @@
 #                folded in), unfused (q/k/v, gate/up, GDN in_proj_* separate), fused (all of it),
 #                magic (fused, the INT4 tensor-core path's 16-bit MAGIC + u operand: QFD_INT4_MAGIC=1),
 #                magic_bm32 (the same: 32-row blocks are the default now), bm16 (17-32 rows as two
-#                16-row blocks: QFD_INT4_BM32=0), gdn_unroll (the GDN step kernels' token loop
-#                unrolled at compile time: QFD_GDN_UNROLL=1), gdn_chunk_verify (a verify's tokens in parallel,
+#                16-row blocks: QFD_INT4_BM32=0), gdn_chunk_verify (a verify's tokens in parallel,
 #                the WY form: QFD_GDN_VERIFY=chunk)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
@@ -26,15 +25,14 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 unroll=0 verify=loop
+    magic=0 bm32=1 verify=loop
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
-    [ "$variant" = gdn_unroll ] && unroll=1
     [ "$variant" = gdn_chunk_verify ] && verify=chunk
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
-    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_UNROLL=$unroll QFD_GDN_VERIFY=$verify timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"

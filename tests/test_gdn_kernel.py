@@ -65,15 +65,8 @@ needs_triton = pytest.mark.skipif(
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(params=[False, True], ids=["token_loop", "unrolled"])
-def unroll(request, monkeypatch):
-    """The step kernels' token loop at run time, or unrolled at compile time (QFD_GDN_UNROLL)."""
-    monkeypatch.setattr(gdn_triton, "UNROLL_TOKENS", request.param)
-    return request.param
-
-
 @needs_triton
-def test_kernel_matches_the_torch_recurrence(unroll):
+def test_kernel_matches_the_torch_recurrence():
     assert runs_on(torch.zeros(1, device=KERNEL_DEVICE))
     check_step(KERNEL_DEVICE)
 
@@ -114,7 +107,7 @@ def test_the_conv_op_equals_conv_and_gates_then_the_recurrence():
 
 @needs_triton
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_conv_kernel_matches_the_torch_layer_math(dtype, tol, unroll, monkeypatch):
+def test_conv_kernel_matches_the_torch_layer_math(dtype, tol, monkeypatch):
     """bf16: the kernel rounds where the module does (conv, SiLU, beta); sums differ in order."""
     from qfd import kernels
 
@@ -193,7 +186,7 @@ def test_the_tree_op_continues_each_node_from_its_parent():
 
 
 @needs_triton
-def test_tree_kernel_matches_the_torch_recurrence_along_every_path(unroll):
+def test_tree_kernel_matches_the_torch_recurrence_along_every_path():
     assert runs_on(torch.zeros(1, device=KERNEL_DEVICE))
     check_tree_step(KERNEL_DEVICE)
 

@@ -21,24 +21,10 @@ import torch
 from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
 
 
-# The token loop of a step unrolled at compile time (one kernel variant per step size: 1, a
-# verify's 16, a tree's N): the tokens' input loads and conv do not depend on the state, so
-# unrolled they are issued ahead instead of one memory round trip per token inside the loop
-# (the H100 profile of a compiled 16-token verify: 55 us per layer in this kernel, 25% of the
-# step). Off until timed on a GPU (it passes the tests under Triton's interpreter):
-# QFD_GDN_UNROLL=1 turns it on (bench/gpu_kernels_ab.sh VARIANTS="fused gdn_unroll").
-UNROLL_TOKENS = os.environ.get("QFD_GDN_UNROLL", "0") == "1"
-UNROLL_MAX = 64  # longer steps (eager prompts of up to max_verify tokens) keep the loop
-
-
 # Each program owns a [dk, BLOCK_V] slice of one head's state (32 heads x 128/32 = 128
 # programs at Qwen3.5-4B shape: one per SM). bench/bench_gdn_step.py times other splits.
 BLOCK_V = int(os.environ.get("QFD_GDN_BLOCK_V", "32"))
 NUM_WARPS = int(os.environ.get("QFD_GDN_WARPS", "4"))
-
-
-def _unroll(T: int) -> int:
-    return T if UNROLL_TOKENS and T <= UNROLL_MAX else 0
 
 
 if _HAVE_TRITON:
@@ -80,7 +66,7 @@ if _HAVE_TRITON:
     def _gated_delta_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, s_ptr, start_ptr, hist_ptr,
         T, H, DV, HIST_T,
-        DK: tl.constexpr, BV: tl.constexpr, UNROLL: tl.constexpr,
+        DK: tl.constexpr, BV: tl.constexpr,
     ):
         """Program (batch*head, dv block): q/k [B, T, H, DK], v/o [B, T, H, DV], g/beta [B, T, H],
         state/start [B, H, DK, DV], history [B, HIST_T, H, DK, DV]; all contiguous, float32."""
@@ -90,14 +76,9 @@ if _HAVE_TRITON:
         state_off = bh * DK * DV
         state = tl.load(s_ptr + state_off + tile, mask=tile_mask, other=0.0)
         tl.store(start_ptr + state_off + tile, state, mask=tile_mask)
-        if UNROLL > 0:  # T == UNROLL, the loop unrolled (see UNROLL_TOKENS)
-            for t in tl.static_range(UNROLL):
-                state = _delta_rule_at(state, (b * T + t) * H + h, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK, DV)
-                tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
-        else:
-            for t in range(T):
-                state = _delta_rule_at(state, (b * T + t) * H + h, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK, DV)
-                tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
+        for t in range(T):
+            state = _delta_rule_at(state, (b * T + t) * H + h, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, offs_k, offs_v, v_mask, DK, DV)
+            tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
 
 
@@ -107,7 +88,7 @@ if _HAVE_TRITON:
     def _gated_delta_tree_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, s_ptr, hist_ptr, par_ptr,
         T, H, DV, HIST_T,
-        DK: tl.constexpr, BV: tl.constexpr, UNROLL: tl.constexpr,
+        DK: tl.constexpr, BV: tl.constexpr,
     ):
         """`_gated_delta_kernel` over the nodes of a draft tree: node 0 continues the state,
         node t > 0 its parent's (parents [T] int64, parents before children). The state tile
@@ -118,12 +99,8 @@ if _HAVE_TRITON:
         b, h = bh // H, bh % H
         offs_k, offs_v, v_mask, tile, tile_mask = _state_tile(DV, DK, BV)
         state = tl.load(s_ptr + bh * DK * DV + tile, mask=tile_mask, other=0.0)
-        if UNROLL > 0:  # T == UNROLL, the loop unrolled (see UNROLL_TOKENS)
-            for t in tl.static_range(UNROLL):
-                state = _tree_node(state, t, b, h, T, H, DV, HIST_T, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, hist_ptr, par_ptr, offs_k, offs_v, v_mask, tile, tile_mask, DK)
-        else:
-            for t in range(T):
-                state = _tree_node(state, t, b, h, T, H, DV, HIST_T, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, hist_ptr, par_ptr, offs_k, offs_v, v_mask, tile, tile_mask, DK)
+        for t in range(T):
+            state = _tree_node(state, t, b, h, T, H, DV, HIST_T, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, hist_ptr, par_ptr, offs_k, offs_v, v_mask, tile, tile_mask, DK)
 
     @triton.jit
     def _tree_node(state, t, b, h, T, H, DV, HIST_T, q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, hist_ptr, par_ptr, offs_k, offs_v, v_mask, tile, tile_mask, DK: tl.constexpr):
@@ -186,7 +163,7 @@ if _HAVE_TRITON:
     def _gated_delta_conv_kernel(
         win_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, start_ptr, hist_ptr, conv_ptr,
         T, H, DV, HIST_T, C, W, KD, REP, scale, AB_ROW,
-        DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr, UNROLL: tl.constexpr,
+        DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr,
     ):
         """`_gated_delta_kernel` computing its own inputs: program (batch*head, dv block) reads
         the conv window [B, C, W = KC-1+T] (channels: q [0, KD), k [KD, 2KD), v [2KD, C)),
@@ -203,14 +180,9 @@ if _HAVE_TRITON:
         state_off = bh * DK * DV
         state = tl.load(s_ptr + state_off + tile, mask=tile_mask, other=0.0)
         tl.store(start_ptr + state_off + tile, state, mask=tile_mask)
-        if UNROLL > 0:  # T == UNROLL, the loop unrolled (see UNROLL_TOKENS)
-            for t in tl.static_range(UNROLL):
-                state = _conv_token(state, t, b, h, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
-                                    k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale, DK, KC, KCP, ROUND)
-        else:
-            for t in range(T):
-                state = _conv_token(state, t, b, h, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
-                                    k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale, DK, KC, KCP, ROUND)
+        for t in range(T):
+            state = _conv_token(state, t, b, h, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
+                                k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale, DK, KC, KCP, ROUND)
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
         _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
 
@@ -279,7 +251,7 @@ def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: to
             window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias,
             out, state, start, history, conv_state,
             T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, a_.stride(1),
-            DK=dk, BV=block_v, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, UNROLL=_unroll(T), num_warps=NUM_WARPS,
+            DK=dk, BV=block_v, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, num_warps=NUM_WARPS,
         )
         return out
 
@@ -315,7 +287,7 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     block_v = BLOCK_V
     _gated_delta_kernel[(B * H, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, out, state, start, history, T, H, dv, history.shape[1],
-        DK=dk, BV=block_v, UNROLL=_unroll(T), num_warps=NUM_WARPS,
+        DK=dk, BV=block_v, num_warps=NUM_WARPS,
     )
     return out
 
@@ -351,7 +323,7 @@ def gated_delta_tree_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
             return out
         _gated_delta_tree_kernel[(B * H, triton.cdiv(dv, block_v))](
             q_, k_, v_, g_, b_, out, state, history, parents.to(torch.int64).contiguous(), T, H, dv, history.shape[1],
-            DK=dk, BV=block_v, UNROLL=_unroll(T), num_warps=NUM_WARPS,
+            DK=dk, BV=block_v, num_warps=NUM_WARPS,
         )
         return out
 
