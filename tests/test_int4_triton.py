@@ -16,7 +16,7 @@ import torch
 
 from qfd.kernels import int4_triton
 from qfd.quant.grid import dequantize, rtn_quantize
-from qfd.quant.int4_linear import Int4Linear, cuda_kernel_choice
+from qfd.quant.int4_linear import Int4Linear, cuda_kernel_choice, one_row_kernel, tinygemm_operands_from_triton
 
 
 def weight(n, k, group=128, symmetric=True, seed=0):
@@ -56,6 +56,44 @@ def test_int4linear_triton_mode_matches_the_dense_layer(rows):
     x = torch.randn(2, rows, 256)
     expected = torch.nn.functional.linear(x, dequantize(qw, torch.float32))
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("n,k,group", [(40, 256, 128), (24, 320, 64), (16, 96, 32)])
+def test_tinygemm_operands_rebuilt_from_the_triton_layout_give_the_same_weight(n, k, group, symmetric):
+    """QFD_INT4_ONE_ROW=tinygemm rebuilds tinygemm's operands from a (fused) Triton layer's
+    buffers: (u - 8) * scale + zero must be w_hat exactly, padding of K cut off."""
+    qw = weight(n, k, group, symmetric)
+    packed = int4_triton.pack_for_triton(qw)
+    u, sz = tinygemm_operands_from_triton(packed.qweight, packed.scales, packed.zeros, group, k)
+    assert u.shape == (n, k) and int(u.min()) >= 0 and int(u.max()) <= 15 and sz.shape == (k // group, n, 2)
+    scale = sz[..., 0].t().repeat_interleave(group, 1)
+    zero = sz[..., 1].t().repeat_interleave(group, 1)
+    torch.testing.assert_close((u.float() - 8) * scale + zero, dequantize(qw, torch.float32), rtol=0, atol=1e-7)
+
+
+def test_one_row_kernel_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("QFD_INT4_ONE_ROW", raising=False)
+    assert one_row_kernel() == "triton"
+    monkeypatch.setenv("QFD_INT4_ONE_ROW", "tinygemm")
+    assert one_row_kernel() == "tinygemm"
+    monkeypatch.setenv("QFD_INT4_ONE_ROW", "marlin")
+    with pytest.raises(ValueError, match="QFD_INT4_ONE_ROW"):
+        one_row_kernel()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="tinygemm's CUDA kernel")
+def test_one_row_products_through_tinygemm_match_triton_also_fused(monkeypatch):
+    monkeypatch.setenv("QFD_INT4_ONE_ROW", "tinygemm")
+    parts = [Int4Linear(weight(n, 512, 128, symmetric=False, seed=n), device="cuda", dtype=torch.bfloat16, kernel="triton") for n in (128, 96)]
+    fused = Int4Linear.concatenated(parts)
+    for layer in (*parts, fused):
+        assert layer.mode == "triton" and layer.one_row_packed is not None
+        x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+        one_row = layer(x)  # tinygemm
+        triton_y = layer._triton_matmul(x)
+        torch.testing.assert_close(one_row.float(), triton_y.float(), rtol=2e-2, atol=2e-2 * triton_y.abs().max().item())
+        torch.testing.assert_close(layer(x.expand(3, -1)).float(), triton_y.expand(3, -1).float(), rtol=2e-2, atol=2e-2 * triton_y.abs().max().item())
 
 
 def test_the_op_compiles_as_one_opaque_call():

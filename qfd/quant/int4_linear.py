@@ -43,6 +43,21 @@ CUDA_KERNELS = ("tinygemm", "triton")
 # Triton: at 16 rows (the verify) 113 us vs tinygemm's 203 us over Qwen3.5-4B's linears, at
 # 1 row 78 vs 62 us; the verify dominates a speculative step (H200, docs/benchmarks.md).
 DEFAULT_CUDA_KERNEL = "triton"
+# One-row products (decode) of a Triton-mode layer through tinygemm instead: torch's kernel
+# measured 1.12-1.39x faster than qfd's at one row on the H100 (docs/benchmarks.md, tenth
+# session) while qfd's is ~2x faster at 16 rows. QFD_INT4_ONE_ROW=tinygemm keeps the weight in
+# both layouts (twice the INT4 body's memory); off by default until a whole step is measured.
+ONE_ROW_KERNELS = ("triton", "tinygemm")
+
+
+def one_row_kernel() -> str:
+    """$QFD_INT4_ONE_ROW: which kernel a Triton-mode layer runs one-row products through."""
+    import os
+
+    choice = os.environ.get("QFD_INT4_ONE_ROW", "triton")
+    if choice not in ONE_ROW_KERNELS:
+        raise ValueError(f"QFD_INT4_ONE_ROW={choice!r}: expected one of {', '.join(ONE_ROW_KERNELS)}")
+    return choice
 
 
 def cuda_kernel_choice(kernel: str | None = None) -> str:
@@ -68,6 +83,26 @@ def tinygemm_operands(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
             u = qw.codes.to(torch.int32)
             zero = (8 - qw.zeros.to(torch.float32)) * scales
     return u, torch.stack([scales, zero], dim=-1).transpose(0, 1).contiguous()
+
+
+def tinygemm_operands_from_triton(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tinygemm_operands` from a Triton-mode layer's buffers (also a fused one, whose parts'
+    QuantizedWeights are gone): u = the stored nibbles (0..15) and the float zero for which
+    (u - 8) * s + zero = (u - z) * s, i.e. zero = (8 - z) * s (z = 8 when symmetric)."""
+    from qfd.kernels.int4_triton import TritonInt4Weight, unpack_codes
+
+    groups = in_features // group_size
+    layout = TritonInt4Weight(qweight, scales, zeros, torch.empty(0), group_size, in_features, qweight.shape[1])
+    u = unpack_codes(layout)
+    s = scales[:groups].t().to(torch.float32)
+    z = 8.0 if zeros is None else zeros[:groups].t().to(torch.float32)
+    return u, torch.stack([s, (8.0 - z) * s], dim=-1).transpose(0, 1).contiguous()
+
+
+def pack_tinygemm_cuda(u: torch.Tensor, sz: torch.Tensor, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile-packed weight, scales_and_zeros) for torch's CUDA `_weight_int4pack_mm` (bf16)."""
+    u8 = ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8).to(device)
+    return torch.ops.aten._convert_weight_to_int4pack(u8, 8), sz.to(device=device, dtype=dtype)
 
 
 class Int4Linear(nn.Module):
@@ -106,9 +141,7 @@ class Int4Linear(nn.Module):
                 probe = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.zeros(1, self.in_features, dtype=dtype), packed, self.group_size, sz)
                 mode = "cpu_int4"
             elif device.type == "cuda" and dtype == torch.bfloat16:
-                u8 = ((u[:, ::2] << 4) | u[:, 1::2]).to(torch.uint8).to(device)
-                packed = torch.ops.aten._convert_weight_to_int4pack(u8, 8)
-                sz = sz.to(device=device, dtype=dtype)
+                packed, sz = pack_tinygemm_cuda(u, sz, device, dtype)
                 probe = torch.ops.aten._weight_int4pack_mm(torch.zeros(1, self.in_features, dtype=dtype, device=device), packed, self.group_size, sz)
                 mode = "cuda_int4"
             else:
@@ -135,6 +168,26 @@ class Int4Linear(nn.Module):
         for name in ("qweight", "scales", "zeros", "counters"):
             self.register_buffer(f"triton_{name}", getattr(packed, name))
         self.mode = "triton"
+        self._no_one_row_layout()
+        if device.type == "cuda" and one_row_kernel() == "tinygemm":
+            self._add_one_row_tinygemm()
+
+    def _no_one_row_layout(self) -> None:
+        for name in ("one_row_packed", "one_row_scales_and_zeros"):  # not in the state dict: derived
+            self.register_buffer(name, None, persistent=False)
+
+    def _add_one_row_tinygemm(self) -> None:
+        """The same weight in tinygemm's layout too, for one-row products (QFD_INT4_ONE_ROW);
+        left out (Triton for every product) where tinygemm rejects the shape or dtype."""
+        if self.dtype != torch.bfloat16:
+            return
+        u, sz = tinygemm_operands_from_triton(self.triton_qweight, self.triton_scales, self.triton_zeros, self.group_size, self.in_features)
+        try:
+            packed, sz = pack_tinygemm_cuda(u, sz, self.triton_qweight.device, self.dtype)
+        except (RuntimeError, NotImplementedError):
+            return
+        self.register_buffer("one_row_packed", packed, persistent=False)
+        self.register_buffer("one_row_scales_and_zeros", sz, persistent=False)
 
     def _triton_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         from qfd.kernels.int4_triton import int4_mm_op
@@ -165,6 +218,10 @@ class Int4Linear(nn.Module):
             # (F.linear over it is the same cuBLAS call as x @ w_t)
             w = self.dequantized_weight(self.dtype)
             return nn.functional.linear(x2, w, self.bias).reshape(*shape[:-1], self.out_features).to(x.dtype)
+        if self.mode == "triton" and x2.shape[0] == 1 and getattr(self, "one_row_packed", None) is not None:
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.one_row_packed, self.group_size, self.one_row_scales_and_zeros)
+            y = y if self.bias is None else y + self.bias
+            return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
         if self.mode == "triton":
             return self._triton_matmul(x2).reshape(*shape[:-1], self.out_features).to(x.dtype)
         if self.mode == "cpu_int4":
@@ -208,6 +265,9 @@ class Int4Linear(nn.Module):
         if first.mode == "triton":
             # split-K tile counters count programs of one launch, not outputs: a fresh zeroed set
             fused.register_buffer("triton_counters", torch.zeros_like(first.triton_counters))
+            fused._no_one_row_layout()
+            if getattr(first, "one_row_packed", None) is not None:  # the parts' layouts cannot be cut apart: rebuilt
+                fused._add_one_row_tinygemm()
         probe = getattr(first, "weight", None)  # the loaders' dtype probe (int4_load.give_dtype_probe)
         if isinstance(probe, torch.Tensor):
             fused.register_buffer("weight", torch.empty(0, device=probe.device, dtype=probe.dtype), persistent=False)
