@@ -13,7 +13,8 @@
 #                magic_bm32 (the same: 32-row blocks are the default now), bm16 (17-32 rows as two
 #                16-row blocks: QFD_INT4_BM32=0), gdn_chunk_verify (a verify's tokens in parallel,
 #                the WY form: QFD_GDN_VERIFY=chunk), one_row_tinygemm (fused, one-row products
-#                through torch's tinygemm: QFD_INT4_ONE_ROW=tinygemm)
+#                through torch's tinygemm: QFD_INT4_ONE_ROW=tinygemm), int4_head (fused, the INT4
+#                target's LM head in INT4 too: --int4-head)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks)
@@ -34,6 +35,7 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
+    [ "$variant" = int4_head ] && flags="--int4-head"
     QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
