@@ -168,6 +168,8 @@ def target_costs(model, max_len, block, measure, device, taps, compile_steps=Fal
                 if device.type == "cuda" and gdn_fla.BACKEND != "qfd" and gdn_fla.installed():  # and with qfd's own chunked GDN
                     with gdn_prefill_backend("qfd"):
                         out[f"prefill_qfd_gdn_{name}_ms"] = measure(prefill, iters=3, warmup=1)
+                    with gdn_prefill_backend("fla_rule"):  # the package's chunk rule only (2026-12-05)
+                        out[f"prefill_fla_rule_{name}_ms"] = measure(prefill, iters=3, warmup=1)
             if n_in <= GRAPHED_PREFILL_MAX_TOKENS and block >= PREFILL_CHUNK:  # as the Engine serves a short prompt
 
                 def prefill_chunked():
@@ -232,7 +234,7 @@ def eager_prefill_as_before():
 
 @contextmanager
 def gdn_prefill_backend(name: str):
-    """Long prompts' Gated DeltaNet through `name` ("qfd" or "fla", qfd.kernels.gdn_fla) meanwhile."""
+    """Long prompts' Gated DeltaNet through `name` ("qfd", "fla_rule" or "fla", qfd.kernels.gdn_fla) meanwhile."""
     saved, gdn_fla.BACKEND = gdn_fla.BACKEND, name
     try:
         yield
@@ -496,6 +498,7 @@ def report(results: dict) -> None:
             target.add_row(name, *(f"{results[t][k]:.3f}" for t, k in keys), "-" if other is None else f"{other:.3f}")
     console.print(target)
     prefill_forms = (("prefill", "eager (served for long prompts)"), ("prefill_qfd_gdn", "eager, qfd's own chunked GDN (not flash-linear-attention)"),
+                     ("prefill_fla_rule", "eager, flash-linear-attention's chunk rule only (torch conv/gates)"),
                      ("prefill_before", "eager as before 2026-12-05"), ("prefill_chunked", "graphed 16-token chunks (served for short prompts)"))
     prefill = Table(title=f"prefill, ms ({kind})")
     for col in ("setting", "target", *(label for _, label in prefill_forms)):

@@ -8,6 +8,12 @@ kernels vLLM and transformers use for Qwen3-Next / Qwen3.5) does the same math i
 launches per layer. It is optional: qfd uses it for prompts longer than a verify step when it
 imports and the tensors are on a GPU (`QFD_GDN_PREFILL=qfd` turns it off, `=fla` insists).
 
+A prompt through a cache goes further (`prompt_conv_and_rule`): the package's causal conv
+reads the fused projection's channels in place (no transposed window copy, no cuDNN
+depthwise conv) and its chunk rule normalises q/k and maps each key head to its value heads
+in-kernel (no float32 q/k copies, no repeat). `QFD_GDN_PREFILL=fla_rule` keeps the chunk rule
+only (qfd's torch conv and gates before it: the 2026-12-05 path), for side-by-side runs.
+
 Precision: q, k and v go in at the model's 16-bit dtype (as transformers passes them), the
 decays and the state in float32; qfd's own path is float32 throughout. Losslessness does not
 depend on it: the prompt's state is whatever the target computed, and every later token is
@@ -21,7 +27,7 @@ import os
 
 import torch
 
-BACKEND = os.environ.get("QFD_GDN_PREFILL", "auto")  # auto | fla | qfd
+BACKEND = os.environ.get("QFD_GDN_PREFILL", "auto")  # auto | fla | fla_rule | qfd
 
 
 @functools.cache
@@ -32,6 +38,16 @@ def _chunk_rule():
     except Exception:  # not installed, or no GPU Triton here
         return None
     return chunk_gated_delta_rule
+
+
+@functools.cache
+def _causal_conv():
+    """flash-linear-attention's `causal_conv1d`, or None where it does not import."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except Exception:
+        return None
+    return causal_conv1d
 
 
 def installed() -> bool:
@@ -62,3 +78,27 @@ def chunked_gated_delta(q, k, v, g, beta, state):
         initial_state=state.float().contiguous(), output_final_state=True,
     )
     return out.float(), final.float()
+
+
+def takes_prompt(prompt: torch.Tensor, max_verify: int) -> bool:
+    """Whether a forward of `prompt` [B, T, C] (more tokens than a verify step) runs its conv
+    and chunk rule through the package (`prompt_conv_and_rule`)."""
+    return BACKEND in ("auto", "fla") and prompt.shape[1] > max_verify and takes(prompt) and _causal_conv() is not None
+
+
+def prompt_conv_and_rule(tokens, skip, conv_weight, g, beta, state, dims):
+    """A prompt's Gated DeltaNet from its raw projections. tokens [B, skip + T, C]: the q/k/v
+    channels (any strides), the first `skip` of them conv history only (a cache's conv state;
+    their outputs are dropped); conv_weight [C, 1, K]; g [B, T, H] float32 log decays, beta
+    [B, T, H]; state [B, H, dk, dv] float32 (not modified); dims (k heads, dk, v heads, dv).
+    Returns (out [B, T, H, dv], final state float32)."""
+    k_heads, dk, v_heads, dv = dims
+    B, C = tokens.shape[0], tokens.shape[-1]
+    T = tokens.shape[1] - skip
+    conv, _ = _causal_conv()(tokens, conv_weight.reshape(C, -1), activation="silu")
+    q, k, v = torch.split(conv[:, skip:], [k_heads * dk, k_heads * dk, v_heads * dv], dim=-1)
+    out, final = _chunk_rule()(
+        q.reshape(B, T, k_heads, dk), k.reshape(B, T, k_heads, dk), v.reshape(B, T, v_heads, dv), g.float(), beta.to(tokens.dtype),
+        scale=dk**-0.5, initial_state=state.float().contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    return out, final.float()

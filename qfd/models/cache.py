@@ -25,6 +25,8 @@ Rollback (speculative decoding keeps only the accepted prefix of a verified bloc
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from qfd.kernels import gdn_triton, runs_on
@@ -49,7 +51,8 @@ class GDNState:
         self.history = torch.zeros(batch, max_verify, heads, dk, dv, dtype=torch.float32, device=device)
         self.max_verify = max_verify
         self.window: torch.Tensor | None = None  # [B, C, K-1+T] of the last forward
-        self.inputs: tuple[torch.Tensor, ...] | None = None  # (q, k, v, g, beta) of a long last forward
+        # (q, k, v, g, beta) of a long last forward, or a function of `keep` recomputing them
+        self.inputs: tuple[torch.Tensor, ...] | Callable[[int], tuple] | None = None
         self.tree_conv: torch.Tensor | None = None  # [N, K] window columns per node of a tree forward
         self.steps = 0  # T of the last forward
 
@@ -74,6 +77,15 @@ class GDNState:
             self.recurrent.copy_(final)
         self.conv.copy_(window[..., window.shape[-1] - kernel_minus_1 :])
         return out
+
+    def record_prompt(self, window, final, inputs_for) -> None:
+        """After a prompt computed elsewhere (flash-linear-attention): `final` becomes the state,
+        the window's tail the conv state; `inputs_for(keep)` gives the first `keep` tokens'
+        (q, k, v, g, beta) should a rollback need them (recomputed: nothing kept per token)."""
+        self.start.copy_(self.recurrent)
+        self.recurrent.copy_(final)
+        self.conv.copy_(window[..., window.shape[-1] - self.conv.shape[-1] :])
+        self.window, self.steps, self.inputs, self.tree_conv = window, window.shape[-1] - self.conv.shape[-1], inputs_for, None
 
     def takes_window(self, window: torch.Tensor) -> bool:
         """Whether `advance_window` runs here: a decode / verify (T <= max_verify) on a device
@@ -117,7 +129,8 @@ class GDNState:
         elif self.inputs is None:
             self.recurrent.copy_(self.history[:, keep - 1])
         else:
-            q, k, v, g, beta = (x[:, :keep] for x in self.inputs)
+            inputs = self.inputs(keep) if callable(self.inputs) else (x[:, :keep] for x in self.inputs)
+            q, k, v, g, beta = inputs
             _, state = recurrent_gated_delta(q, k, v, g, beta, self.start)
             self.recurrent.copy_(state)
 

@@ -235,12 +235,12 @@ class GatedDeltaNet(nn.Module):
             mixed, z, b, a = self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         else:
             mixed, z, b, a = torch.split(self.in_proj(x), self.in_proj_sizes, dim=-1)
-        mixed = mixed.transpose(1, 2)  # [B, C, T]
-        if state is None:
-            window = F.pad(mixed, (self.kernel - 1, 0))
-        else:
-            window = torch.cat([state.conv.to(mixed.dtype), mixed], dim=-1)  # [B, C, K-1+T]
         dims = (self.num_k_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim)
+        if tree is None and gdn_fla.takes_prompt(mixed, getattr(state, "max_verify", 16)):
+            core = launch_or_fallback("flash-linear-attention prompt (conv + chunk rule)", lambda: self._prompt_fla(mixed, a, b, state, dims),
+                                      lambda: self._prompt_qfd(self._window(mixed, state), a, b, state, dims, x.dtype))
+            return self._output(core, z, x.dtype)
+        window = self._window(mixed, state)
         if tree is not None:
             # each node's conv sees its own K inputs along its path: one window per node
             parents, conv_index = tree
@@ -252,12 +252,56 @@ class GatedDeltaNet(nn.Module):
             # decode / verify on a GPU: conv, gates and recurrence in one kernel
             core = state.advance_window(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias, self.num_k_heads)
         else:
-            q, k, v, g, beta = conv_and_gates(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias, dims, x.dtype)
-            if state is None:
-                zero = x.new_zeros(B, self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
-                core, _ = chunked_gated_delta(q, k, v, g, beta, zero)
-            else:
-                core = state.advance(window, q, k, v, g, beta)
+            core = self._prompt_qfd(window, a, b, state, dims, x.dtype)
+        return self._output(core, z, x.dtype)
+
+    def _window(self, mixed: torch.Tensor, state) -> torch.Tensor:
+        """The conv's input [B, C, K-1+T]: the conv state (zeros for a fresh sequence), then the
+        T tokens' q/k/v channels (`mixed` [B, T, C])."""
+        mixed = mixed.transpose(1, 2)
+        if state is None:
+            return F.pad(mixed, (self.kernel - 1, 0))
+        return torch.cat([state.conv.to(mixed.dtype), mixed], dim=-1)
+
+    def _output(self, core: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
+        """Gated RMSNorm of the core output [B, T, H, dv] by z, then out_proj."""
+        B, T = core.shape[:2]
+        core = self.norm(core.to(dtype), z.reshape(B, T, self.num_v_heads, self.head_v_dim))
+        return self.out_proj(core.reshape(B, T, self.value_dim))
         z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
         core = self.norm(core.to(x.dtype), z)
         return self.out_proj(core.reshape(B, T, self.value_dim))
+
+    def _prompt_qfd(self, window, a, b, state, dims, dtype) -> torch.Tensor:
+        """A forward outside the decode / verify kernels: conv and gates in torch, then the
+        chunked form (fresh sequence) or the state's `advance`. Returns [B, T, H, dv]."""
+        q, k, v, g, beta = conv_and_gates(window, self.conv1d.weight, a, b, self.A_log, self.dt_bias, dims, dtype)
+        if state is None:
+            zero = q.new_zeros(q.shape[0], self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
+            return chunked_gated_delta(q, k, v, g, beta, zero)[0]
+        return state.advance(window, q, k, v, g, beta)
+
+    def _prompt_fla(self, mixed, a, b, state, dims) -> torch.Tensor:
+        """A prompt on a GPU through flash-linear-attention: its causal conv reads the channels
+        last, as the fused projection writes them (no transposed window copy, no cuDNN depthwise
+        conv), and its chunk rule normalises q/k and shares each key head across its value heads
+        in-kernel (no float32 q/k copies, no repeat). Through a cache the conv input is the conv
+        state then the tokens ([B, K-1+T, C], one plain copy); its transpose is the window the
+        state records for a rollback, which recomputes the torch inputs it needs. Returns
+        [B, T, H, dv]."""
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta = b.sigmoid()
+        if state is None:
+            zero = mixed.new_zeros(mixed.shape[0], self.num_v_heads, self.head_k_dim, self.head_v_dim, dtype=torch.float32)
+            return gdn_fla.prompt_conv_and_rule(mixed, 0, self.conv1d.weight, g, beta, zero, dims)[0]
+        kernel_minus_1 = self.kernel - 1
+        channels_last = torch.cat([state.conv.to(mixed.dtype).transpose(1, 2), mixed], dim=1)
+        out, final = gdn_fla.prompt_conv_and_rule(channels_last, kernel_minus_1, self.conv1d.weight, g, beta, state.recurrent, dims)
+        window = channels_last.transpose(1, 2)  # [B, C, K-1+T], a view
+        dtype = mixed.dtype
+
+        def inputs_for(keep: int):  # the torch path's (q, k, v, g, beta) of the first `keep` tokens
+            return conv_and_gates(window[..., : keep + kernel_minus_1], self.conv1d.weight, a[:, :keep], b[:, :keep], self.A_log, self.dt_bias, dims, dtype)
+
+        state.record_prompt(window, final, inputs_for)
+        return out
