@@ -81,10 +81,21 @@ def graph_time_us(fns) -> float:
     return statistics.median(times)
 
 
-def sweep_configs(m: int):
+def sweep_configs(m: int, grid: str = "full"):
     """The launch configs tried per shape: for 1 row the GEMV kernel's block / tiles per step /
     split / warps / pipeline stages (offset-sum arithmetic; the best is re-timed with the exact
-    one) and the generic kernel's CUDA-core path; the tensor-core path otherwise."""
+    one) and the generic kernel's CUDA-core path; the tensor-core path otherwise.
+    grid "split": the served kernel only, over outputs per program, deeper K splits and warps
+    (one row) or splits and stages (16 rows): ~40 compiles in all, as N and K are not compile-time
+    constants, so one device call can sweep every shape."""
+    if grid == "split":
+        if m == 1:
+            for bn, split, warps in itertools.product((32, 64, 128), (4, 8, 16, 32), (2, 4)):
+                yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps)
+        else:
+            for bn, split, stages in itertools.product((64, 128), (2, 4, 8, 16), (2, 3)):
+                yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages)
+        return
     if m == 1:
         for (bn, tiles), split, warps, stages in itertools.product(
             ((32, 1), (64, 1), (128, 1), (32, 2), (64, 2), (128, 2), (32, 4), (64, 4)), (1, 2, 4, 8), (4, 8), (1, 3)
@@ -102,6 +113,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,16", help="comma-separated row counts M")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--sweep", action="store_true", help="also try a grid of Triton launch configs per shape")
+    p.add_argument("--sweep-grid", choices=("full", "split"), default="full", help="with --sweep: the full grid (GEMV kernel variants; compiles per config), or the served kernel's splits only (fast)")
     p.add_argument("--hot", action="store_true", help="time one weight copy (L2-resident) instead of cycling through HBM-sized copies")
     p.add_argument("--shapes", default="", help="comma-separated substrings: only the shapes whose name has one")
     p.add_argument("--write-tuned", nargs="?", const="", default=None, metavar="PATH",
@@ -164,7 +176,9 @@ def main() -> None:
                 row["variants"] = {label: {"us": timed(cfg, "rel_err"), "rel_err": row.pop("rel_err", None), **vars(cfg)} for label, cfg in ab_variants(m, n, k)}
             if args.sweep:
                 best = None
-                for cfg in sweep_configs(m):
+                for cfg in sweep_configs(m, args.sweep_grid):
+                    if cfg.split_k > -(-k // int4_triton.TILE_K):
+                        continue  # more splits than K tiles: idle programs
                     try:
                         t = timed(cfg)
                     except Exception as e:  # a config the compiler rejects (shared memory, registers): skip it

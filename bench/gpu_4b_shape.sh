@@ -8,7 +8,8 @@
 #   QAD_S=0    skip the QAD memory plan
 #   KERNELS=1  first: the INT4 matmul kernels side by side (KERNELS_SWEEP=1: with a launch-config sweep,
 #              whose best configs become the GPU's tuned table for the steps that follow)
-#              (bench_int4_kernels.py, int4_kernels.json) and the Triton kernel's tests
+#              (bench_int4_kernels.py, int4_kernels.json) and the Triton kernel's tests (KERNELS_TESTS=0: none;
+#              KERNELS_FLAGS: more bench_int4_kernels.py flags, e.g. "--sweep-grid split --rows 1 --shapes fused,down_proj")
 #   INT4_KERNEL=tinygemm|triton   the INT4 kernel the steps run (default: Int4Linear's)
 #   UNCOMPILED=0  skip the uncompiled steps (with COMPILE=1: only the compiled ones)
 #   STEPS_FLAGS="..."  more bench_steps.py flags (e.g. --no-compile-drafter, --targets-only)
@@ -36,10 +37,10 @@ if [ -n "${INT4_AB:-}" ]; then
     knobs=$(python3 "$SRC/bench/bench_int4_kernels.py" --ab-knobs "$OUT/int4_ab.json") && eval "$knobs" && echo "steps run with: $knobs"
 fi
 if [ -n "${KERNELS:-}" ]; then
-    (cd "$SRC" && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_int4_triton.py 2>&1 | tail -3)
+    [ "${KERNELS_TESTS:-1}" = 0 ] || (cd "$SRC" && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_int4_triton.py 2>&1 | tail -3)
     # a sweep writes the GPU's tuned launch configs into this tree copy (the steps below use
     # them) and into $OUT (commit it as qfd/kernels/tuned/<GPU>.json)
-    timeout "${KERNELS_S:-200}" python3 "$SRC/bench/bench_int4_kernels.py" ${KERNELS_SWEEP:+--sweep --write-tuned} --out "$OUT/int4_kernels.json" 2>&1 | grep -v Warning | tee "$OUT/int4_kernels.log" | tail -30
+    timeout "${KERNELS_S:-200}" python3 "$SRC/bench/bench_int4_kernels.py" ${KERNELS_SWEEP:+--sweep --write-tuned} ${KERNELS_FLAGS:-} --out "$OUT/int4_kernels.json" 2>&1 | grep -v Warning | tee "$OUT/int4_kernels.log" | tail -30
     [ -z "${KERNELS_SWEEP:-}" ] || cp "$SRC"/qfd/kernels/tuned/*.json "$OUT/" 2>/dev/null
 fi
 steps() {  # steps NAME [FLAGS...]
