@@ -130,7 +130,11 @@ def load_spy(monkeypatch):
 @pytest.mark.parametrize("flag", [[], ["--int4-head"]])
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"], ["eval", "latency", "--scale", "0.01"]])
 def test_commands_pass_int4_head_to_load_target(tiny_checkpoints, load_spy, tmp_path, capsys, command, flag):
-    out = ["--out", tmp_path / "eval"] if command[0] == "eval" else []
+    out = []
+    if command[0] == "eval":  # its own prompts: the test runs without ../shared/data too
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text('{"question": "What is 2 + 2?"}\n')
+        out = ["--out", tmp_path / "eval", "--prompts", prompts]
     code, _, err = _cli([*command, "--target", tiny_checkpoints["llama"], "--device", "cpu", *out, *flag], capsys)
     assert code != 0 and f"load_target called with int4_head={bool(flag)}" in err, err
 
