@@ -168,8 +168,9 @@ def target_costs(model, max_len, block, measure, device, taps, compile_steps=Fal
                 if device.type == "cuda" and gdn_fla.BACKEND != "qfd" and gdn_fla.installed():  # and with qfd's own chunked GDN
                     with gdn_prefill_backend("qfd"):
                         out[f"prefill_qfd_gdn_{name}_ms"] = measure(prefill, iters=3, warmup=1)
-                    with gdn_prefill_backend("fla_rule"):  # the package's chunk rule only (2026-12-05)
-                        out[f"prefill_fla_rule_{name}_ms"] = measure(prefill, iters=3, warmup=1)
+                    if gdn_fla.PROMPT_CONV != "fla":  # and with the package's conv too
+                        with gdn_prefill_backend("fla_conv"):
+                            out[f"prefill_fla_conv_{name}_ms"] = measure(prefill, iters=3, warmup=1)
             if n_in <= GRAPHED_PREFILL_MAX_TOKENS and block >= PREFILL_CHUNK:  # as the Engine serves a short prompt
 
                 def prefill_chunked():
@@ -234,12 +235,15 @@ def eager_prefill_as_before():
 
 @contextmanager
 def gdn_prefill_backend(name: str):
-    """Long prompts' Gated DeltaNet through `name` ("qfd", "fla_rule" or "fla", qfd.kernels.gdn_fla) meanwhile."""
-    saved, gdn_fla.BACKEND = gdn_fla.BACKEND, name
+    """Long prompts' Gated DeltaNet meanwhile through `name` (qfd.kernels.gdn_fla): "qfd" (qfd's
+    own chunked form), "fla" (the package's chunk rule after qfd's conv and gates), "fla_conv"
+    (its conv too: QFD_GDN_PROMPT_CONV=fla)."""
+    saved = gdn_fla.BACKEND, gdn_fla.PROMPT_CONV
+    gdn_fla.BACKEND, gdn_fla.PROMPT_CONV = ("qfd", "torch") if name == "qfd" else ("auto", "fla" if name == "fla_conv" else "torch")
     try:
         yield
     finally:
-        gdn_fla.BACKEND = saved
+        gdn_fla.BACKEND, gdn_fla.PROMPT_CONV = saved
 
 
 def kernel_profile(fn, device, iters: int = 10, top: int = 25) -> dict:
@@ -498,7 +502,7 @@ def report(results: dict) -> None:
             target.add_row(name, *(f"{results[t][k]:.3f}" for t, k in keys), "-" if other is None else f"{other:.3f}")
     console.print(target)
     prefill_forms = (("prefill", "eager (served for long prompts)"), ("prefill_qfd_gdn", "eager, qfd's own chunked GDN (not flash-linear-attention)"),
-                     ("prefill_fla_rule", "eager, flash-linear-attention's chunk rule only (torch conv/gates)"),
+                     ("prefill_fla_conv", "eager, flash-linear-attention's conv too (QFD_GDN_PROMPT_CONV=fla)"),
                      ("prefill_before", "eager as before 2026-12-05"), ("prefill_chunked", "graphed 16-token chunks (served for short prompts)"))
     prefill = Table(title=f"prefill, ms ({kind})")
     for col in ("setting", "target", *(label for _, label in prefill_forms)):

@@ -2,11 +2,11 @@
 Qwen3.5-4B shape (random weights: exact costs), bf16 and INT4, with the wall time beside the
 summed kernel time (their gap is launch overhead: the GPU waiting on Python).
 
-    python bench/profile_prefill.py [--tokens 8192] [--int4] [--gdn qfd,fla_rule,fla] [--out prefill_profile.json]
+    python bench/profile_prefill.py [--tokens 8192] [--int4] [--gdn qfd,fla,fla_conv] [--out prefill_profile.json]
 
 --gdn: the long-prompt Gated DeltaNet forms to profile side by side (qfd.kernels.gdn_fla: "fla"
-- the package's conv and chunk rule - and "fla_rule" - its chunk rule after qfd's torch conv
-and gates - need flash-linear-attention installed; "qfd" is qfd's own chunked form).
+- the package's chunk rule after qfd's torch conv and gates - and "fla_conv" - its conv too -
+need flash-linear-attention installed; "qfd" is qfd's own chunked form).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--int4", action="store_true", help="also the INT4 (RTN g128, Triton kernel) target")
-    p.add_argument("--gdn", default="qfd,fla_rule,fla", help="comma-separated long-prompt GDN forms: qfd, fla_rule, fla (default all three; fla* skipped where not installed)")
+    p.add_argument("--gdn", default="qfd,fla,fla_conv", help="comma-separated long-prompt GDN forms: qfd, fla, fla_conv (default all three; fla* skipped where not installed)")
     p.add_argument("--out", type=Path, default=Path("prefill_profile.json"))
     args = p.parse_args()
     device = torch.device("cuda")

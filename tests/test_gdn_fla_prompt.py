@@ -52,10 +52,17 @@ def _ids(length, seed=0):
     return torch.randint(0, 512, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _run(model, chunks, backend, monkeypatch, keep=None):
-    """Forward `chunks` through one cache under QFD_GDN_PREFILL=`backend`; optionally roll the
-    last one back to `keep` of its tokens. Returns (logits of the last chunk, cache)."""
-    monkeypatch.setattr(gdn_fla, "BACKEND", backend)
+def use(form, monkeypatch):
+    """A long prompt's GDN through `form`: "qfd" (QFD_GDN_PREFILL=qfd), "fla" (the package's
+    chunk rule after qfd's conv and gates), "fla_conv" (QFD_GDN_PROMPT_CONV=fla: its conv too)."""
+    monkeypatch.setattr(gdn_fla, "BACKEND", "qfd" if form == "qfd" else "auto")
+    monkeypatch.setattr(gdn_fla, "PROMPT_CONV", "fla" if form == "fla_conv" else "torch")
+
+
+def _run(model, chunks, form, monkeypatch, keep=None):
+    """Forward `chunks` through one cache, a prompt's GDN through `form` (`use`); optionally
+    roll the last one back to `keep` of its tokens. Returns (logits of the last chunk, cache)."""
+    use(form, monkeypatch)
     cache = model.new_cache(128)
     with torch.inference_mode():
         for ids in chunks:
@@ -72,13 +79,13 @@ def _assert_same_states(a, b):
         torch.testing.assert_close(a.gdn[layer].recurrent, b.gdn[layer].recurrent, rtol=1e-4, atol=1e-5)
 
 
-def test_the_package_path_is_taken_only_for_prompts(cpu_package, monkeypatch):
-    monkeypatch.setattr(gdn_fla, "BACKEND", "auto")
+def test_the_package_conv_is_taken_only_for_prompts_when_asked(cpu_package, monkeypatch):
     x = torch.zeros(1, 17, 8)
+    use("fla_conv", monkeypatch)
     with torch.inference_mode():
         assert gdn_fla.takes_prompt(x, 16) and not gdn_fla.takes_prompt(x[:, :16], 16)
-        for backend in ("qfd", "fla_rule"):  # off, or the chunk rule only (tested below)
-            monkeypatch.setattr(gdn_fla, "BACKEND", backend)
+        for form in ("qfd", "fla"):  # off, or the chunk rule only (tested below)
+            use(form, monkeypatch)
             assert not gdn_fla.takes_prompt(x, 16)
 
 
@@ -88,21 +95,21 @@ def test_prompts_through_the_package_equal_qfds_path(model, cpu_package, monkeyp
     chunks = [_ids(40), _ids(20, seed=1)]
     for keep in (None, 7):
         want_logits, want = _run(model, chunks, "qfd", monkeypatch, keep)
-        got_logits, got = _run(model, chunks, "auto", monkeypatch, keep)
+        got_logits, got = _run(model, chunks, "fla_conv", monkeypatch, keep)
         torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
         _assert_same_states(got, want)
         assert any(callable(s.inputs) for s in got.gdn.values())  # the package path recorded the prompts
 
 
 def test_no_cache_forward_through_the_package_equals_qfds(model, cpu_package, monkeypatch):
-    """Also the chunk rule alone (QFD_GDN_PREFILL=fla_rule: qfd's conv and gates before it,
-    q/k/v handed over in bf16, hence the looser tolerance)."""
+    """Also the chunk rule alone (qfd's conv and gates before it, q/k/v handed over in bf16,
+    hence the looser tolerance)."""
     ids = _ids(33, seed=2)
     with torch.inference_mode():
-        monkeypatch.setattr(gdn_fla, "BACKEND", "qfd")
+        use("qfd", monkeypatch)
         want = model(ids).logits
-        for backend, tol in (("auto", 1e-4), ("fla_rule", 1e-2)):
-            monkeypatch.setattr(gdn_fla, "BACKEND", backend)
+        for form, tol in (("fla_conv", 1e-4), ("fla", 1e-2)):
+            use(form, monkeypatch)
             torch.testing.assert_close(model(ids).logits, want, rtol=tol, atol=tol)
 
 
@@ -117,7 +124,7 @@ def test_the_packages_prompt_kernels_equal_qfds_path_on_the_gpu(tiny_checkpoints
     gpu = load_target(tiny_checkpoints["qwen3_5"], device="cuda", dtype=torch.bfloat16)[0]
     chunks = [_ids(200).cuda(), _ids(70, seed=1).cuda()]
     want_logits, want = _run(gpu, chunks, "qfd", monkeypatch)
-    got_logits, got = _run(gpu, chunks, "auto", monkeypatch)
+    got_logits, got = _run(gpu, chunks, "fla_conv", monkeypatch)
     assert not kernels._FAILED
     scale = float(want_logits.abs().max())
     assert float((got_logits.float() - want_logits.float()).abs().max()) <= 5e-2 * scale

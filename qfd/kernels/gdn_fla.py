@@ -8,11 +8,11 @@ kernels vLLM and transformers use for Qwen3-Next / Qwen3.5) does the same math i
 launches per layer. It is optional: qfd uses it for prompts longer than a verify step when it
 imports and the tensors are on a GPU (`QFD_GDN_PREFILL=qfd` turns it off, `=fla` insists).
 
-A prompt through a cache goes further (`prompt_conv_and_rule`): the package's causal conv
+`QFD_GDN_PROMPT_CONV=fla` goes further (`prompt_conv_and_rule`): the package's causal conv
 reads the fused projection's channels in place (no transposed window copy, no cuDNN
 depthwise conv) and its chunk rule normalises q/k and maps each key head to its value heads
-in-kernel (no float32 q/k copies, no repeat). `QFD_GDN_PREFILL=fla_rule` keeps the chunk rule
-only (qfd's torch conv and gates before it: the 2026-12-05 path), for side-by-side runs.
+in-kernel (no float32 q/k copies, no repeat). Off (`torch`: qfd's conv and gates before the
+package's chunk rule) until timed on a GPU.
 
 Precision: q, k and v go in at the model's 16-bit dtype (as transformers passes them), the
 decays and the state in float32; qfd's own path is float32 throughout. Losslessness does not
@@ -27,7 +27,8 @@ import os
 
 import torch
 
-BACKEND = os.environ.get("QFD_GDN_PREFILL", "auto")  # auto | fla | fla_rule | qfd
+BACKEND = os.environ.get("QFD_GDN_PREFILL", "auto")  # auto | fla | qfd
+PROMPT_CONV = os.environ.get("QFD_GDN_PROMPT_CONV", "torch")  # torch | fla (prompt_conv_and_rule)
 
 
 @functools.cache
@@ -83,7 +84,7 @@ def chunked_gated_delta(q, k, v, g, beta, state):
 def takes_prompt(prompt: torch.Tensor, max_verify: int) -> bool:
     """Whether a forward of `prompt` [B, T, C] (more tokens than a verify step) runs its conv
     and chunk rule through the package (`prompt_conv_and_rule`)."""
-    return BACKEND in ("auto", "fla") and prompt.shape[1] > max_verify and takes(prompt) and _causal_conv() is not None
+    return PROMPT_CONV == "fla" and prompt.shape[1] > max_verify and takes(prompt) and _causal_conv() is not None
 
 
 def prompt_conv_and_rule(tokens, skip, conv_weight, g, beta, state, dims):
