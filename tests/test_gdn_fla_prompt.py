@@ -52,6 +52,18 @@ def _ids(length, seed=0):
     return torch.randint(0, 512, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
+def count_package_prompts(monkeypatch) -> list:
+    """gdn_fla.prompt_conv_and_rule wrapped to record each call (one per GDN layer and prompt)."""
+    calls, real = [], gdn_fla.prompt_conv_and_rule
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gdn_fla, "prompt_conv_and_rule", counted)
+    return calls
+
+
 def use(form, monkeypatch):
     """A long prompt's GDN through `form`: "qfd" (QFD_GDN_PREFILL=qfd), "fla" (the package's
     chunk rule after qfd's conv and gates), "fla_conv" (QFD_GDN_PROMPT_CONV=fla: its conv too)."""
@@ -93,12 +105,15 @@ def test_prompts_through_the_package_equal_qfds_path(model, cpu_package, monkeyp
     """A fresh 40-token prompt, then a 20-token continuation (conv history from the cache):
     logits and states equal qfd's own path; so does a rollback to 7 tokens of the second."""
     chunks = [_ids(40), _ids(20, seed=1)]
+    calls = count_package_prompts(monkeypatch)
     for keep in (None, 7):
         want_logits, want = _run(model, chunks, "qfd", monkeypatch, keep)
+        assert not calls
         got_logits, got = _run(model, chunks, "fla_conv", monkeypatch, keep)
+        assert len(calls) == 2 * len(got.gdn)  # both prompts of every GDN layer went through the package path
+        calls.clear()
         torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
         _assert_same_states(got, want)
-        assert any(callable(s.inputs) for s in got.gdn.values())  # the package path recorded the prompts
 
 
 def test_no_cache_forward_through_the_package_equals_qfds(model, cpu_package, monkeypatch):
@@ -124,11 +139,11 @@ def test_the_packages_prompt_kernels_equal_qfds_path_on_the_gpu(tiny_checkpoints
     gpu = load_target(tiny_checkpoints["qwen3_5"], device="cuda", dtype=torch.bfloat16)[0]
     chunks = [_ids(200).cuda(), _ids(70, seed=1).cuda()]
     want_logits, want = _run(gpu, chunks, "qfd", monkeypatch)
+    calls = count_package_prompts(monkeypatch)
     got_logits, got = _run(gpu, chunks, "fla_conv", monkeypatch)
-    assert not kernels._FAILED
+    assert not kernels._FAILED and len(calls) == 2 * len(got.gdn)
     scale = float(want_logits.abs().max())
     assert float((got_logits.float() - want_logits.float()).abs().max()) <= 5e-2 * scale
     for layer in got.gdn:
         a, b = got.gdn[layer].recurrent, want.gdn[layer].recurrent
         assert float((a - b).abs().max()) <= 5e-2 * float(b.abs().max())
-        assert callable(got.gdn[layer].inputs)

@@ -51,8 +51,8 @@ class GDNState:
         self.history = torch.zeros(batch, max_verify, heads, dk, dv, dtype=torch.float32, device=device)
         self.max_verify = max_verify
         self.window: torch.Tensor | None = None  # [B, C, K-1+T] of the last forward
-        # (q, k, v, g, beta) of a long last forward, or a function of `keep` recomputing them
-        self.inputs: tuple[torch.Tensor, ...] | Callable[[int], tuple] | None = None
+        # keep -> (q, k, v, g, beta) of the first `keep` tokens of a long last forward
+        self.inputs: Callable[[int], tuple] | None = None
         self.tree_conv: torch.Tensor | None = None  # [N, K] window columns per node of a tree forward
         self.steps = 0  # T of the last forward
 
@@ -60,28 +60,25 @@ class GDNState:
         """Run the gated delta rule over T new tokens from the current state, update the state
         in place and record what rollback needs. Returns the core output [B, T, H, dv] float32."""
         T = q.shape[1]
-        kernel_minus_1 = self.conv.shape[-1]
-        self.window, self.steps, self.tree_conv = window, T, None
         if T <= self.max_verify and FUSED_STEP and runs_on(q):
             # one kernel: saves `start`, writes the history and the final state in place
             out = gdn_triton.gated_delta_step(q, k, v, g, beta, self.recurrent, self.start, self.history)
-            self.inputs = None
-        else:
-            self.start.copy_(self.recurrent)
-            if T <= self.max_verify:
-                out, final = recurrent_gated_delta(q, k, v, g, beta, self.recurrent, history=self.history)
-                self.inputs = None
-            else:
-                out, final = chunked_gated_delta(q, k, v, g, beta, self.recurrent)
-                self.inputs = (q, k, v, g, beta)
-            self.recurrent.copy_(final)
-        self.conv.copy_(window[..., window.shape[-1] - kernel_minus_1 :])
+            self.conv.copy_(window[..., window.shape[-1] - self.conv.shape[-1] :])
+            self.window, self.steps, self.inputs, self.tree_conv = window, T, None, None
+            return out
+        if T <= self.max_verify:  # the history holds every position's state
+            out, final = recurrent_gated_delta(q, k, v, g, beta, self.recurrent, history=self.history)
+            self.record_forward(window, final, None)
+            return out
+        out, final = chunked_gated_delta(q, k, v, g, beta, self.recurrent)
+        self.record_forward(window, final, lambda keep: tuple(x[:, :keep] for x in (q, k, v, g, beta)))
         return out
 
-    def record_prompt(self, window, final, inputs_for) -> None:
-        """After a prompt computed elsewhere (flash-linear-attention): `final` becomes the state,
-        the window's tail the conv state; `inputs_for(keep)` gives the first `keep` tokens'
-        (q, k, v, g, beta) should a rollback need them (recomputed: nothing kept per token)."""
+    def record_forward(self, window, final, inputs_for) -> None:
+        """After a forward computed outside the state (the torch forms, flash-linear-attention):
+        `final` becomes the state, the window's tail the conv state. `inputs_for(keep)` gives the
+        first `keep` tokens' (q, k, v, g, beta) should a rollback need them (None: the history
+        holds every position's state)."""
         self.start.copy_(self.recurrent)
         self.recurrent.copy_(final)
         self.conv.copy_(window[..., window.shape[-1] - self.conv.shape[-1] :])
@@ -129,8 +126,7 @@ class GDNState:
         elif self.inputs is None:
             self.recurrent.copy_(self.history[:, keep - 1])
         else:
-            inputs = self.inputs(keep) if callable(self.inputs) else (x[:, :keep] for x in self.inputs)
-            q, k, v, g, beta = inputs
+            q, k, v, g, beta = self.inputs(keep)
             _, state = recurrent_gated_delta(q, k, v, g, beta, self.start)
             self.recurrent.copy_(state)
 

@@ -268,9 +268,6 @@ class GatedDeltaNet(nn.Module):
         B, T = core.shape[:2]
         core = self.norm(core.to(dtype), z.reshape(B, T, self.num_v_heads, self.head_v_dim))
         return self.out_proj(core.reshape(B, T, self.value_dim))
-        z = z.reshape(B, T, self.num_v_heads, self.head_v_dim)
-        core = self.norm(core.to(x.dtype), z)
-        return self.out_proj(core.reshape(B, T, self.value_dim))
 
     def _prompt_qfd(self, window, a, b, state, dims, dtype) -> torch.Tensor:
         """A forward outside the decode / verify kernels: conv and gates in torch, then the
@@ -303,5 +300,5 @@ class GatedDeltaNet(nn.Module):
         def inputs_for(keep: int):  # the torch path's (q, k, v, g, beta) of the first `keep` tokens
             return conv_and_gates(window[..., : keep + kernel_minus_1], self.conv1d.weight, a[:, :keep], b[:, :keep], self.A_log, self.dt_bias, dims, dtype)
 
-        state.record_prompt(window, final, inputs_for)
+        state.record_forward(window, final, inputs_for)
         return out

@@ -218,14 +218,13 @@ class Int4Linear(nn.Module):
             # (F.linear over it is the same cuBLAS call as x @ w_t)
             w = self.dequantized_weight(self.dtype)
             return nn.functional.linear(x2, w, self.bias).reshape(*shape[:-1], self.out_features).to(x.dtype)
-        if self.mode == "triton" and x2.shape[0] == 1 and getattr(self, "one_row_packed", None) is not None:
-            y = torch.ops.aten._weight_int4pack_mm(x2, self.one_row_packed, self.group_size, self.one_row_scales_and_zeros)
-            y = y if self.bias is None else y + self.bias
-            return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
-        if self.mode == "triton":
+        one_row_tinygemm = self.mode == "triton" and x2.shape[0] == 1 and getattr(self, "one_row_packed", None) is not None
+        if self.mode == "triton" and not one_row_tinygemm:
             return self._triton_matmul(x2).reshape(*shape[:-1], self.out_features).to(x.dtype)
         if self.mode == "cpu_int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
+        elif one_row_tinygemm:  # QFD_INT4_ONE_ROW=tinygemm: the second layout
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.one_row_packed, self.group_size, self.one_row_scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
         if self.bias is not None:
