@@ -14,7 +14,8 @@
 #                16-row blocks: QFD_INT4_BM32=0), gdn_chunk_verify (a verify's tokens in parallel,
 #                the WY form: QFD_GDN_VERIFY=chunk), one_row_tinygemm (fused, one-row products
 #                through torch's tinygemm: QFD_INT4_ONE_ROW=tinygemm), int4_head (fused, the INT4
-#                target's LM head in INT4 too: --int4-head)
+#                target's LM head in INT4 too: --int4-head), attn_triton (fused, the steps' attention
+#                through the split-KV Triton kernels: QFD_ATTENTION_KERNEL=triton)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks)
@@ -22,21 +23,22 @@
 export PYTHONPATH=${QFD_SRC:-$PWD}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-180}
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-[ "${TESTS_K:-}" = none ] || (cd "$SRC" && timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py tests/test_int4_dequant.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -3)
+[ "${TESTS_K:-}" = none ] || (cd "$SRC" && timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py tests/test_int4_dequant.py tests/test_attention_triton.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -3)
 [ -z "${INT4_AB:-}" ] || timeout "${INT4_AB_S:-150}" python3 "$SRC/bench/bench_int4_kernels.py" --ab --rows 1,16,32 --out "$OUT/int4_ab.json" 2>&1 | grep -v Warning | tee "$OUT/int4_ab.log" | tail -60
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 verify=loop one_row=triton
+    magic=0 bm32=1 verify=loop one_row=triton attention=torch
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
     [ "$variant" = gdn_chunk_verify ] && verify=chunk
     [ "$variant" = one_row_tinygemm ] && one_row=tinygemm
+    [ "$variant" = attn_triton ] && attention=triton
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
     [ "$variant" = int4_head ] && flags="--int4-head"
-    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"

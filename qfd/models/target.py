@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qfd.errors import QfdError
+from qfd.kernels import attention_triton
 from qfd.models import rope as rope_math
 from qfd.models.cache import GDNState, TargetCache
 from qfd.models.gdn import GatedDeltaNet, tree_structure
@@ -198,9 +199,9 @@ class Attention(nn.Module):
             elif tree is None:
                 # a key is visible to a query when its position is not after the query's
                 mask = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
-                out = grouped_attention(q, keys, values, mask)
+                out = step_attention(q, keys, values, mask)
             else:
-                out = grouped_attention(q, keys, values, tree.visible)
+                out = step_attention(q, keys, values, tree.visible)
         out = out.transpose(1, 2).reshape(B, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -233,6 +234,14 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     T = q.shape[2]
     mask = torch.arange(k.shape[2], device=q.device)[None, :] <= torch.arange(start, start + T, device=q.device)[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A decode / verify / tree step's attention over the cache: the split-KV Triton kernels
+    where they are switched on and run (`qfd.kernels.attention_triton`), else `grouped_attention`."""
+    if attention_triton.takes(q):
+        return attention_triton.split_attention(q, k, v, mask)
+    return grouped_attention(q, k, v, mask)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""Attention of a decode / verify / tree step over a KV cache in Triton: split-KV
+("flash-decoding"), grouped-query without copying K/V.
+
+The torch path (`qfd.models.target.grouped_attention`) runs a step's attention as a scores
+GEMM, a masked float32 softmax, a values GEMM split by hand over 512-key chunks and a sum: at
+Qwen3.5-4B shape and an 8.5K static cache the H100 spends ~270 us of a compiled INT4 decode
+and ~360 us of a 16-token verify in those kernels over the 8 attention layers
+(docs/benchmarks.md, tenth session), where reading K and V once takes ~95 us. Here one kernel
+reads each K/V tile once for all query rows of its kv head (the group's query heads x the
+step's tokens) with an online softmax, over SPLITS slices of the keys in parallel; a second
+kernel merges the slices' partial results (their max, sum and weighted values).
+
+Not yet timed on a GPU (tested under Triton's interpreter): off by default,
+`QFD_ATTENTION_KERNEL=triton` turns it on.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
+
+SPLIT_KERNEL = os.environ.get("QFD_ATTENTION_KERNEL", "torch") == "triton"
+BLOCK_KEYS = 64  # keys per loop step
+_MAX_ROWS = 64  # query rows per program (more rows: several programs read the same keys)
+
+
+def takes(q: torch.Tensor) -> bool:
+    """Whether a step's attention runs through the kernel here."""
+    return SPLIT_KERNEL and runs_on(q) and q.shape[-1] in (16, 32, 64, 128, 256)
+
+
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _split_kernel(
+        q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr,
+        T, S, R, KVH, GROUP, SPLITS, keys_per_split, scale,
+        sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t,
+        D: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+    ):
+        """Program (b * KVH + kv head, row block, split): rows [BR*pid_r, +BR) of the kv head's
+        R = GROUP * T query rows (row r: query head kvh * GROUP + r // T, token r % T) against
+        keys [keys_per_split * pid_s, +keys_per_split). Writes the unnormalised weighted values
+        [BR, D] and the running max and sum of each row (float32)."""
+        pid_bh = tl.program_id(0)
+        pid_r = tl.program_id(1)
+        pid_s = tl.program_id(2)
+        b = pid_bh // KVH
+        kvh = pid_bh % KVH
+        rows = pid_r * BR + tl.arange(0, BR)
+        r_mask = rows < R
+        t = rows % T
+        head = kvh * GROUP + rows // T
+        offs_d = tl.arange(0, D)
+        q = tl.load(q_ptr + b * sq_b + head[:, None] * sq_h + t[:, None] * sq_t + offs_d[None, :], mask=r_mask[:, None], other=0.0)
+        m = tl.full((BR,), -1e30, dtype=tl.float32)  # finite: a slice with no visible key gives p = 0, not NaN
+        l = tl.zeros((BR,), dtype=tl.float32)
+        acc = tl.zeros((BR, D), dtype=tl.float32)
+        s0 = pid_s * keys_per_split
+        s1 = tl.minimum(s0 + keys_per_split, S)
+        for start in range(s0, s1, BS):
+            offs_s = start + tl.arange(0, BS)
+            s_mask = offs_s < s1
+            keys = tl.load(k_ptr + b * sk_b + kvh * sk_h + offs_s[:, None] * sk_s + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(keys)) * scale
+            visible = tl.load(mask_ptr + t[:, None] * sm_t + offs_s[None, :], mask=r_mask[:, None] & s_mask[None, :], other=0)
+            scores = tl.where(visible != 0, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            values = tl.load(v_ptr + b * sv_b + kvh * sv_h + offs_s[:, None] * sv_s + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+        slot = (pid_bh * SPLITS + pid_s) * R + rows
+        tl.store(acc_ptr + slot[:, None] * D + offs_d[None, :], acc, mask=r_mask[:, None])
+        tl.store(ml_ptr + slot * 2, m, mask=r_mask)
+        tl.store(ml_ptr + slot * 2 + 1, l, mask=r_mask)
+
+    @triton.jit
+    def _merge_kernel(
+        acc_ptr, ml_ptr, out_ptr, T, R, KVH, GROUP, SPLITS, so_b, so_t, so_h,
+        D: tl.constexpr, BR: tl.constexpr,
+    ):
+        """Program (b * KVH + kv head, row block): the splits' partials merged (rescaled to a
+        common max), normalised, written as out [B, T, H, D] in out's dtype."""
+        pid_bh = tl.program_id(0)
+        pid_r = tl.program_id(1)
+        b = pid_bh // KVH
+        kvh = pid_bh % KVH
+        rows = pid_r * BR + tl.arange(0, BR)
+        r_mask = rows < R
+        offs_d = tl.arange(0, D)
+        m = tl.full((BR,), -1e30, dtype=tl.float32)
+        l = tl.zeros((BR,), dtype=tl.float32)
+        out = tl.zeros((BR, D), dtype=tl.float32)
+        for split in range(SPLITS):
+            slot = (pid_bh * SPLITS + split) * R + rows
+            m_split = tl.load(ml_ptr + slot * 2, mask=r_mask, other=-1e30)
+            l_split = tl.load(ml_ptr + slot * 2 + 1, mask=r_mask, other=0.0)
+            part = tl.load(acc_ptr + slot[:, None] * D + offs_d[None, :], mask=r_mask[:, None], other=0.0)
+            m_new = tl.maximum(m, m_split)
+            keep, take = tl.exp(m - m_new), tl.exp(m_split - m_new)
+            out = out * keep[:, None] + part * take[:, None]
+            l = l * keep + l_split * take
+            m = m_new
+        out = out / tl.where(l > 0, l, 1.0)[:, None]
+        t = rows % T
+        head = kvh * GROUP + rows // T
+        tl.store(out_ptr + b * so_b + t[:, None] * so_t + head[:, None] * so_h + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch_shape(batch: int, kv_heads: int, rows: int, keys: int, processors: int) -> tuple[int, int, int]:
+    """(rows per program, splits, keys per split): enough programs for about two per
+    multiprocessor, each split a whole number of key blocks."""
+    block_rows = 16 if rows <= 16 else 32 if rows <= 32 else _MAX_ROWS
+    row_blocks = -(-rows // block_rows)
+    blocks = -(-keys // BLOCK_KEYS)
+    splits = max(1, min(blocks, -(-2 * processors // (batch * kv_heads * row_blocks))))
+    keys_per_split = -(-blocks // splits) * BLOCK_KEYS
+    return block_rows, -(-keys // keys_per_split), keys_per_split
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float32 torch: q [B, H, T, D] over k/v [B, KVH, S, D], mask
+    [T, S] bool (True = visible); query head h reads kv head h // (H / KVH). Returns [B, H, T, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ v).to(q.dtype)
+
+
+@torch.library.custom_op("qfd::split_attention", mutates_args=())
+def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The kernel pair as one opaque torch op (torch.compile keeps it whole). Returns [B, T, H, D]
+    contiguous (the layout o_proj reads)."""
+
+    def launch():
+        B, H, T, D = q.shape
+        kv_heads, S = k.shape[1], k.shape[2]
+        group, rows = H // kv_heads, H // kv_heads * T
+        processors = _multiprocessors(q.device.index or 0) if q.is_cuda else 4
+        block_rows, splits, keys_per_split = launch_shape(B, kv_heads, rows, S, processors)
+        row_blocks = -(-rows // block_rows)
+        acc = torch.empty(B * kv_heads * splits * rows, D, dtype=torch.float32, device=q.device)
+        max_sum = torch.empty(B * kv_heads * splits * rows, 2, dtype=torch.float32, device=q.device)
+        out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+        mask_bytes = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.contiguous().view(torch.uint8)
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x.stride(-1) != 1:
+                raise ValueError(f"split_attention: {name}'s last dimension must be contiguous")
+        _split_kernel[(B * kv_heads, row_blocks, splits)](
+            q, k, v, mask_bytes, acc, max_sum, T, S, rows, kv_heads, group, splits, keys_per_split, D**-0.5,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), mask_bytes.stride(0),
+            D=D, BR=block_rows, BS=BLOCK_KEYS, num_warps=8 if block_rows > 32 else 4, num_stages=2,
+        )
+        _merge_kernel[(B * kv_heads, row_blocks)](
+            acc, max_sum, out, T, rows, kv_heads, group, splits, out.stride(0), out.stride(1), out.stride(2),
+            D=D, BR=block_rows, num_warps=4,
+        )
+        return out
+
+    return launch_or_fallback("split_attention", launch, lambda: reference_attention(q, k, v, mask).transpose(1, 2).contiguous())
+
+
+@split_attention_op.register_fake
+def _split_attention_fake(q, k, v, mask):
+    B, H, T, D = q.shape
+    return q.new_empty(B, T, H, D)
+
+
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Step attention through the kernels: q [B, H, T, D], k/v [B, KVH, S, D] (a cache buffer,
+    read in place), mask [T, S] bool. Returns [B, H, T, D] (a transposed view of [B, T, H, D])."""
+    return split_attention_op(q, k, v, mask).transpose(1, 2)

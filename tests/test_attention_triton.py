@@ -1,0 +1,109 @@
+"""The split-KV step attention (`qfd.kernels.attention_triton`, QFD_ATTENTION_KERNEL=triton).
+
+On CI (no Triton) these check the float32 reference the kernel is held to against the served
+torch path (`grouped_attention`) and the launch arithmetic. The kernels themselves run on a
+GPU or under TRITON_INTERPRET=1 with Triton installed: against the reference for decode,
+verify and tree masks, and inside the model (a tree verify equals a plain forward over each
+path; the served engine's output equals greedy decoding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qfd.kernels import attention_triton
+from qfd.kernels.attention_triton import BLOCK_KEYS, launch_shape, reference_attention
+from qfd.models.target import grouped_attention
+from tests.test_gdn_kernel import KERNEL_DEVICE, needs_triton
+from tests.test_tree import targets  # noqa: F401 (fixture)
+
+
+def attention_inputs(B, H, KVH, T, S, D, kind, seed=0, dtype=torch.float32, device="cpu"):
+    """q/k/v and a [T, S] mask: "decode"/"verify" - each query sees the keys up to its position
+    (the last T of `S - 7` filled slots; the static cache's tail stays masked); "tree" - the
+    context plus a random ancestor set (itself included) among the T step slots."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g)
+    k, v = torch.randn(B, KVH, S, D, generator=g), torch.randn(B, KVH, S, D, generator=g)
+    filled = S - 7
+    positions = torch.arange(filled - T, filled)
+    mask = torch.arange(S)[None, :] <= positions[:, None]
+    if kind == "tree":
+        ancestors = torch.rand(T, T, generator=g) < 0.4
+        ancestors = ancestors.tril() | torch.eye(T, dtype=torch.bool)
+        mask[:, filled - T : filled] = ancestors
+    return [x.to(dtype).to(device) for x in (q, k, v)] + [mask.to(device)]
+
+
+def test_the_reference_is_the_served_torch_attention():
+    q, k, v, mask = attention_inputs(2, 8, 2, 5, 300, 32, "tree")
+    torch.testing.assert_close(reference_attention(q, k, v, mask), grouped_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,keys,processors", [(4, 8704, 132), (64, 8704, 132), (128, 8704, 132), (4, 200, 132), (16, 64, 4), (2, 1, 8)])
+def test_the_splits_cover_every_key_once(rows, keys, processors):
+    block_rows, splits, per_split = launch_shape(1, 4, rows, keys, processors)
+    assert block_rows in (16, 32, 64) and (rows <= block_rows or block_rows == 64)
+    assert per_split % BLOCK_KEYS == 0 and (splits - 1) * per_split < keys <= splits * per_split
+    programs = 4 * -(-rows // block_rows) * splits
+    assert programs <= max(2 * processors, 4 * -(-rows // block_rows))  # about two per multiprocessor
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "B,H,KVH,T,S,D,kind",
+    [
+        (1, 8, 2, 1, 300, 64, "decode"),  # several splits, a partial last key block
+        (2, 4, 4, 16, 260, 32, "verify"),  # no grouping, batch 2
+        (1, 16, 4, 32, 200, 256, "tree"),  # Qwen3.5-4B's heads: 128 rows per kv head = 2 row blocks
+        (1, 4, 2, 9, 90, 16, "tree"),
+    ],
+)
+def test_kernel_matches_the_reference(B, H, KVH, T, S, D, kind, monkeypatch):
+    from qfd import kernels
+
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    q, k, v, mask = attention_inputs(B, H, KVH, T, S, D, kind, device=KERNEL_DEVICE)
+    out = attention_triton.split_attention(q, k, v, mask)
+    assert not kernels._FAILED  # the kernels ran (no torch fallback)
+    torch.testing.assert_close(out, reference_attention(q, k, v, mask), rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+def test_kernel_in_bf16_on_a_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("bf16 tl.dot: the interpreter cannot")
+    q, k, v, mask = attention_inputs(1, 16, 4, 16, 8704, 256, "verify", dtype=torch.bfloat16, device="cuda")
+    expected = reference_attention(q.float(), k.float(), v.float(), mask)
+    torch.testing.assert_close(attention_triton.split_attention(q, k, v, mask).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@needs_triton
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("fixed_shape", [False, True])
+def test_a_tree_verify_through_the_kernel_equals_a_forward_over_each_path(targets, family, fixed_shape, monkeypatch):
+    from tests.test_tree import test_tree_verify_equals_a_forward_over_each_path
+
+    calls = []
+    real = attention_triton.split_attention
+    monkeypatch.setattr(attention_triton, "SPLIT_KERNEL", True)
+    monkeypatch.setattr(attention_triton, "split_attention", lambda *a: calls.append(1) or real(*a))
+    test_tree_verify_equals_a_forward_over_each_path(targets, family, fixed_shape)
+    assert calls  # the steps' attention went through the kernel
+
+
+@needs_triton
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_the_engine_through_the_kernel_equals_target_greedy(targets, tiny_checkpoints, family, monkeypatch):
+    """Target-only and speculative (chain and tree) decoding with the kernel give the tokens of
+    target-only decoding through the torch attention (float32: no near-ties)."""
+    from qfd.engine import Engine
+    from tests.test_engine import greedy, make_drafter, prompt_ids
+
+    target = targets[family]
+    expected = Engine(target, max_len=128).generate(prompt_ids(), greedy()).tokens
+    monkeypatch.setattr(attention_triton, "SPLIT_KERNEL", True)
+    drafter = make_drafter(tiny_checkpoints[family])
+    assert Engine(target, max_len=128).generate(prompt_ids(), greedy()).tokens == expected
+    assert Engine(target, drafter=drafter, max_len=128).generate(prompt_ids(), greedy()).tokens == expected
+    assert Engine(target, drafter=drafter, max_len=128, tree_size=8).generate(prompt_ids(), greedy()).tokens == expected
