@@ -36,6 +36,14 @@ def takes(q: torch.Tensor) -> bool:
 if _HAVE_TRITON:
 
     @triton.jit
+    def _program_rows(KVH, R, BR: tl.constexpr):
+        """Program axes 0 (b * KVH + kv head) and 1 (row block): (axis 0, b, kv head, the
+        block's BR row indices, which of them exist)."""
+        pid_bh = tl.program_id(0)
+        rows = tl.program_id(1) * BR + tl.arange(0, BR)
+        return pid_bh, pid_bh // KVH, pid_bh % KVH, rows, rows < R
+
+    @triton.jit
     def _split_kernel(
         q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr,
         T, S, R, KVH, GROUP, SPLITS, keys_per_split, scale,
@@ -46,13 +54,8 @@ if _HAVE_TRITON:
         R = GROUP * T query rows (row r: query head kvh * GROUP + r // T, token r % T) against
         keys [keys_per_split * pid_s, +keys_per_split). Writes the unnormalised weighted values
         [BR, D] and the running max and sum of each row (float32)."""
-        pid_bh = tl.program_id(0)
-        pid_r = tl.program_id(1)
+        pid_bh, b, kvh, rows, r_mask = _program_rows(KVH, R, BR)
         pid_s = tl.program_id(2)
-        b = pid_bh // KVH
-        kvh = pid_bh % KVH
-        rows = pid_r * BR + tl.arange(0, BR)
-        r_mask = rows < R
         t = rows % T
         head = kvh * GROUP + rows // T
         offs_d = tl.arange(0, D)
@@ -88,12 +91,7 @@ if _HAVE_TRITON:
     ):
         """Program (b * KVH + kv head, row block): the splits' partials merged (rescaled to a
         common max), normalised, written as out [B, T, H, D] in out's dtype."""
-        pid_bh = tl.program_id(0)
-        pid_r = tl.program_id(1)
-        b = pid_bh // KVH
-        kvh = pid_bh % KVH
-        rows = pid_r * BR + tl.arange(0, BR)
-        r_mask = rows < R
+        pid_bh, b, kvh, rows, r_mask = _program_rows(KVH, R, BR)
         offs_d = tl.arange(0, D)
         m = tl.full((BR,), -1e30, dtype=tl.float32)
         l = tl.zeros((BR,), dtype=tl.float32)
