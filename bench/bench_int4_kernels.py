@@ -86,11 +86,11 @@ def sweep_configs(m: int, grid: str = "full"):
     split / warps / pipeline stages (offset-sum arithmetic; the best is re-timed with the exact
     one) and the generic kernel's CUDA-core path; the tensor-core path otherwise.
     grid "split": the served kernel only, over outputs per program, deeper K splits and warps
-    (one row) or splits and stages (16 rows): ~40 compiles in all, as N and K are not compile-time
+    (one row) or splits and stages (16 rows): ~56 compiles in all, as N and K are not compile-time
     constants, so one device call can sweep every shape."""
     if grid == "split":
         if m == 1:
-            for bn, split, warps in itertools.product((32, 64, 128), (4, 8, 16, 32), (2, 4)):
+            for bn, split, warps in itertools.product((16, 32, 64, 128), (2, 4, 8, 16, 32), (2, 4)):
                 yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps)
         else:
             for bn, split, stages in itertools.product((64, 128), (2, 4, 8, 16), (2, 3)):
