@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qfd.engine import GRAPHED_PREFILL_MAX_TOKENS, PREFILL_CHUNK  # noqa: E402
+from qfd import kernels  # noqa: E402
 from qfd.kernels import attention_triton, gdn_fla, gdn_verify_triton  # noqa: E402
 from qfd.kernels.int4_triton import BLOCK_M_32, MAGIC_DOT  # noqa: E402
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
@@ -434,6 +435,8 @@ def main() -> None:
                "attention_kernel": "triton" if attention_triton.SPLIT_KERNEL else "torch", "gdn_verify": "chunk" if gdn_verify_triton.CHUNK_VERIFY else "loop", "int4_one_row": one_row_kernel()}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures
+        # Triton kernels that failed to compile or launch here ran their torch fallbacks: say so
+        results["kernel_fallbacks"] = sorted(kernels._FAILED)
         args.out.write_text(json.dumps(results, indent=2))
 
     bf16 = build_target(shape, device, dtype, int4=False, group_size=args.group_size, fuse=fuse)
@@ -478,6 +481,8 @@ def report(results: dict) -> None:
     from rich.table import Table
 
     console = Console()
+    if results.get("kernel_fallbacks"):
+        console.print(f"[bold red]kernels that fell back to torch in this run: {', '.join(results['kernel_fallbacks'])}[/]")
     rows = results.get("ledger", [])
     final = final_system(rows) or LEDGER[-1][0]
     d = results.get("drafter", {})
