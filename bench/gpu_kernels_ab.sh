@@ -42,5 +42,5 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"
-    grep "us of kernels" "$OUT/targets_$variant.log"
+    grep "us of kernels\|fell back" "$OUT/targets_$variant.log"
 done
