@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qfd.kernels import attention_triton
-from qfd.kernels.attention_triton import BLOCK_KEYS, launch_shape, reference_attention
+from qfd.kernels.attention_triton import block_rows_for, launch_shape, parse_configs, reference_attention
 from qfd.models.target import grouped_attention
 from tests.test_gdn_kernel import KERNEL_DEVICE, needs_triton
 from tests.test_tree import targets  # noqa: F401 (fixture)
@@ -40,13 +40,19 @@ def test_the_reference_is_the_served_torch_attention():
     torch.testing.assert_close(reference_attention(q, k, v, mask), grouped_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,keys,processors", [(4, 8704, 132), (64, 8704, 132), (128, 8704, 132), (4, 200, 132), (16, 64, 4), (2, 1, 8)])
-def test_the_splits_cover_every_key_once(rows, keys, processors):
-    block_rows, splits, per_split = launch_shape(1, 4, rows, keys, processors)
-    assert block_rows in (16, 32, 64) and (rows <= block_rows or block_rows == 64)
-    assert per_split % BLOCK_KEYS == 0 and (splits - 1) * per_split < keys <= splits * per_split
-    programs = 4 * -(-rows // block_rows) * splits
-    assert programs <= max(2 * processors, 4 * -(-rows // block_rows))  # about two per multiprocessor
+@pytest.mark.parametrize("rows,keys,processors", [(4, 8704, 132), (64, 8704, 132), (128, 8704, 132), (4, 200, 132), (16, 64, 4), (2, 1, 8), (4, 8704, 1000)])
+@pytest.mark.parametrize("block_keys", [32, 64])
+def test_the_splits_cover_every_key_once(rows, keys, processors, block_keys):
+    splits, per_split = launch_shape(1, 4, rows, keys, processors, block_keys)
+    assert per_split % block_keys == 0 and (splits - 1) * per_split < keys <= splits * per_split
+    assert splits <= 64  # the merge's one load
+    row_blocks = -(-rows // block_rows_for(rows))
+    assert 4 * row_blocks * splits <= max(2 * processors, 4 * row_blocks)  # about two programs per multiprocessor
+
+
+def test_launch_configs_from_the_environment():
+    assert parse_configs("16=32,4,2; 64=64,8,1") == {16: (32, 4, 2), 64: (64, 8, 1)}
+    assert parse_configs("") == {}
 
 
 @needs_triton

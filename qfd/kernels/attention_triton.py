@@ -24,8 +24,32 @@ import torch
 from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
 
 SPLIT_KERNEL = os.environ.get("QFD_ATTENTION_KERNEL", "torch") == "triton"
-BLOCK_KEYS = 64  # keys per loop step
 _MAX_ROWS = 64  # query rows per program (more rows: several programs read the same keys)
+_MAX_SPLITS = 64  # the merge loads every split's partial of a row at once
+
+
+def parse_configs(text: str) -> dict[int, tuple[int, int, int]]:
+    """QFD_ATTENTION_CONFIG, e.g. "16=32,4,2;64=32,8,1": rows per program -> (keys per loop
+    step, warps, pipeline stages) of the split kernel (bench/bench_attention.py prints the
+    fastest per step kind)."""
+    configs = {}
+    for item in filter(None, text.replace(" ", "").split(";")):
+        rows, values = item.split("=")
+        block_keys, warps, stages = (int(v) for v in values.split(","))
+        configs[int(rows)] = (block_keys, warps, stages)
+    return configs
+
+
+CONFIGS = parse_configs(os.environ.get("QFD_ATTENTION_CONFIG", ""))
+
+
+def split_config(head_dim: int, block_rows: int) -> tuple[int, int, int]:
+    """(keys per loop step, warps, stages) for the split kernel: QFD_ATTENTION_CONFIG's entry,
+    else 32 keys for 256-wide heads (a [64, 256] K tile per 4 warps spilled on the H100), 64
+    otherwise, 8 warps for 64-row blocks."""
+    if block_rows in CONFIGS:
+        return CONFIGS[block_rows]
+    return (32 if head_dim > 128 else 64), (8 if block_rows > 32 else 4), 2
 
 
 def takes(q: torch.Tensor) -> bool:
@@ -87,29 +111,28 @@ if _HAVE_TRITON:
     @triton.jit
     def _merge_kernel(
         acc_ptr, ml_ptr, out_ptr, T, R, KVH, GROUP, SPLITS, so_b, so_t, so_h,
-        D: tl.constexpr, BR: tl.constexpr,
+        D: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr,
     ):
-        """Program (b * KVH + kv head, row block): the splits' partials merged (rescaled to a
-        common max), normalised, written as out [B, T, H, D] in out's dtype."""
-        pid_bh, b, kvh, rows, r_mask = _program_rows(KVH, R, BR)
-        offs_d = tl.arange(0, D)
-        m = tl.full((BR,), -1e30, dtype=tl.float32)
-        l = tl.zeros((BR,), dtype=tl.float32)
-        out = tl.zeros((BR, D), dtype=tl.float32)
-        for split in range(SPLITS):
-            slot = (pid_bh * SPLITS + split) * R + rows
-            m_split = tl.load(ml_ptr + slot * 2, mask=r_mask, other=-1e30)
-            l_split = tl.load(ml_ptr + slot * 2 + 1, mask=r_mask, other=0.0)
-            part = tl.load(acc_ptr + slot[:, None] * D + offs_d[None, :], mask=r_mask[:, None], other=0.0)
-            m_new = tl.maximum(m, m_split)
-            keep, take = tl.exp(m - m_new), tl.exp(m_split - m_new)
-            out = out * keep[:, None] + part * take[:, None]
-            l = l * keep + l_split * take
-            m = m_new
-        out = out / tl.where(l > 0, l, 1.0)[:, None]
-        t = rows % T
-        head = kvh * GROUP + rows // T
-        tl.store(out_ptr + b * so_b + t[:, None] * so_t + head[:, None] * so_h + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None])
+        """Program (b * KVH + kv head, row, D block): that row's partials of every split in one
+        [SP, BD] load (SP >= SPLITS), rescaled to their common max, summed, normalised and
+        written as out [B, T, H, D] in out's dtype. One program per row and D block: the merge
+        is a single memory round trip, not a walk over the splits."""
+        pid_bh = tl.program_id(0)
+        row = tl.program_id(1)
+        b = pid_bh // KVH
+        kvh = pid_bh % KVH
+        offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
+        splits = tl.arange(0, SP)
+        s_mask = splits < SPLITS
+        slot = (pid_bh * SPLITS + splits) * R + row
+        m = tl.load(ml_ptr + slot * 2, mask=s_mask, other=-1e30)
+        l = tl.load(ml_ptr + slot * 2 + 1, mask=s_mask, other=0.0)
+        part = tl.load(acc_ptr + slot[:, None] * D + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        weight = tl.exp(m - tl.max(m, axis=0))
+        total = tl.sum(weight * l, axis=0)
+        out = tl.sum(part * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        head = kvh * GROUP + row // T
+        tl.store(out_ptr + b * so_b + (row % T) * so_t + head * so_h + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,15 +140,18 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch_shape(batch: int, kv_heads: int, rows: int, keys: int, processors: int) -> tuple[int, int, int]:
-    """(rows per program, splits, keys per split): enough programs for about two per
-    multiprocessor, each split a whole number of key blocks."""
-    block_rows = 16 if rows <= 16 else 32 if rows <= 32 else _MAX_ROWS
-    row_blocks = -(-rows // block_rows)
-    blocks = -(-keys // BLOCK_KEYS)
-    splits = max(1, min(blocks, -(-2 * processors // (batch * kv_heads * row_blocks))))
-    keys_per_split = -(-blocks // splits) * BLOCK_KEYS
-    return block_rows, -(-keys // keys_per_split), keys_per_split
+def block_rows_for(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else _MAX_ROWS
+
+
+def launch_shape(batch: int, kv_heads: int, rows: int, keys: int, processors: int, block_keys: int) -> tuple[int, int]:
+    """(splits, keys per split): enough programs for about two per multiprocessor (at most
+    _MAX_SPLITS splits), each split a whole number of `block_keys` key blocks."""
+    row_blocks = -(-rows // block_rows_for(rows))
+    blocks = -(-keys // block_keys)
+    splits = max(1, min(blocks, _MAX_SPLITS, -(-2 * processors // (batch * kv_heads * row_blocks))))
+    keys_per_split = -(-blocks // splits) * block_keys
+    return -(-keys // keys_per_split), keys_per_split
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -148,7 +174,9 @@ def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         kv_heads, S = k.shape[1], k.shape[2]
         group, rows = H // kv_heads, H // kv_heads * T
         processors = _multiprocessors(q.device.index or 0) if q.is_cuda else 4
-        block_rows, splits, keys_per_split = launch_shape(B, kv_heads, rows, S, processors)
+        block_rows = block_rows_for(rows)
+        block_keys, warps, stages = split_config(D, block_rows)
+        splits, keys_per_split = launch_shape(B, kv_heads, rows, S, processors, block_keys)
         row_blocks = -(-rows // block_rows)
         acc = torch.empty(B * kv_heads * splits * rows, D, dtype=torch.float32, device=q.device)
         max_sum = torch.empty(B * kv_heads * splits * rows, 2, dtype=torch.float32, device=q.device)
@@ -160,11 +188,12 @@ def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         _split_kernel[(B * kv_heads, row_blocks, splits)](
             q, k, v, mask_bytes, acc, max_sum, T, S, rows, kv_heads, group, splits, keys_per_split, D**-0.5,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), mask_bytes.stride(0),
-            D=D, BR=block_rows, BS=BLOCK_KEYS, num_warps=8 if block_rows > 32 else 4, num_stages=2,
+            D=D, BR=block_rows, BS=block_keys, num_warps=warps, num_stages=stages,
         )
-        _merge_kernel[(B * kv_heads, row_blocks)](
+        block_d = min(D, 64)
+        _merge_kernel[(B * kv_heads, rows, D // block_d)](
             acc, max_sum, out, T, rows, kv_heads, group, splits, out.stride(0), out.stride(1), out.stride(2),
-            D=D, BR=block_rows, num_warps=4,
+            D=D, BD=block_d, SP=max(16, triton.next_power_of_2(splits)), num_warps=4,
         )
         return out
 
