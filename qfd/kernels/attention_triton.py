@@ -72,7 +72,7 @@ if _HAVE_TRITON:
         q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr,
         T, S, R, KVH, GROUP, SPLITS, keys_per_split, scale,
         sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t,
-        D: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+        D: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr,
     ):
         """Program (b * KVH + kv head, row block, split): rows [BR*pid_r, +BR) of the kv head's
         R = GROUP * T query rows (row r: query head kvh * GROUP + r // T, token r % T) against
@@ -93,14 +93,20 @@ if _HAVE_TRITON:
             offs_s = start + tl.arange(0, BS)
             s_mask = offs_s < s1
             keys = tl.load(k_ptr + b * sk_b + kvh * sk_h + offs_s[:, None] * sk_s + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-            scores = tl.dot(q, tl.trans(keys)) * scale
+            if IEEE:  # float32 inputs: full-precision products (a GPU's default is TF32)
+                scores = tl.dot(q, tl.trans(keys), input_precision="ieee") * scale
+            else:
+                scores = tl.dot(q, tl.trans(keys)) * scale
             visible = tl.load(mask_ptr + t[:, None] * sm_t + offs_s[None, :], mask=r_mask[:, None] & s_mask[None, :], other=0)
             scores = tl.where(visible != 0, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
             values = tl.load(v_ptr + b * sv_b + kvh * sv_h + offs_s[:, None] * sv_s + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, values, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
         slot = (pid_bh * SPLITS + pid_s) * R + rows
@@ -188,7 +194,7 @@ def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         _split_kernel[(B * kv_heads, row_blocks, splits)](
             q, k, v, mask_bytes, acc, max_sum, T, S, rows, kv_heads, group, splits, keys_per_split, D**-0.5,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), mask_bytes.stride(0),
-            D=D, BR=block_rows, BS=block_keys, num_warps=warps, num_stages=stages,
+            D=D, BR=block_rows, BS=block_keys, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
         )
         block_d = min(D, 64)
         _merge_kernel[(B * kv_heads, rows, D // block_d)](
