@@ -45,11 +45,12 @@ CONFIGS = parse_configs(os.environ.get("QFD_ATTENTION_CONFIG", ""))
 
 def split_config(head_dim: int, block_rows: int) -> tuple[int, int, int]:
     """(keys per loop step, warps, stages) for the split kernel: QFD_ATTENTION_CONFIG's entry,
-    else 32 keys for 256-wide heads (a [64, 256] K tile per 4 warps spilled on the H100), 64
-    otherwise, 8 warps for 64-row blocks."""
+    else 32 keys, 4 warps, 2 stages for 256-wide heads - the fastest of 8 configs at every
+    Qwen3.5-4B step but one (bench/bench_attention.py on the H100, docs/benchmarks.md twelfth
+    session) - and 64 keys for narrower heads (not measured)."""
     if block_rows in CONFIGS:
         return CONFIGS[block_rows]
-    return (32 if head_dim > 128 else 64), (8 if block_rows > 32 else 4), 2
+    return (32 if head_dim > 128 else 64), 4, 2
 
 
 def takes(q: torch.Tensor) -> bool:
