@@ -14,8 +14,8 @@
 #                16-row blocks: QFD_INT4_BM32=0), gdn_chunk_verify (a verify's tokens in parallel,
 #                the WY form: QFD_GDN_VERIFY=chunk), one_row_tinygemm (fused, one-row products
 #                through torch's tinygemm: QFD_INT4_ONE_ROW=tinygemm), int4_head (fused, the INT4
-#                target's LM head in INT4 too: --int4-head), attn_triton (fused, the steps' attention
-#                through the split-KV Triton kernels: QFD_ATTENTION_KERNEL=triton)
+#                target's LM head in INT4 too: --int4-head), attn_torch (fused, the steps' attention
+#                in torch - the path before the split-KV kernels: QFD_ATTENTION_KERNEL=torch)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks)
@@ -28,12 +28,12 @@ nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 verify=loop one_row=triton attention=torch
+    magic=0 bm32=1 verify=loop one_row=triton attention=triton
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
     [ "$variant" = gdn_chunk_verify ] && verify=chunk
     [ "$variant" = one_row_tinygemm ] && one_row=tinygemm
-    [ "$variant" = attn_triton ] && attention=triton
+    [ "$variant" = attn_torch ] && attention=torch
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"

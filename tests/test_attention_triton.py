@@ -1,4 +1,4 @@
-"""The split-KV step attention (`qfd.kernels.attention_triton`, QFD_ATTENTION_KERNEL=triton).
+"""The split-KV step attention (`qfd.kernels.attention_triton`; the default on CUDA, QFD_ATTENTION_KERNEL=torch for the torch path).
 
 On CI (no Triton) these check the float32 reference the kernel is held to against the served
 torch path (`grouped_attention`) and the launch arithmetic. The kernels themselves run on a
@@ -48,6 +48,20 @@ def test_the_splits_cover_every_key_once(rows, keys, processors, block_keys):
     assert splits <= 64  # the merge's one load
     row_blocks = -(-rows // block_rows_for(rows))
     assert 4 * row_blocks * splits <= max(2 * processors, 4 * row_blocks)  # about two programs per multiprocessor
+
+
+def test_after_a_failure_the_steps_use_the_torch_path(monkeypatch):
+    """A GPU where the kernels do not compile: the op falls back once (warned, slow float32
+    reference); every later step takes the torch path instead of the op."""
+    from qfd import kernels
+
+    q = torch.zeros(1, 4, 1, 64)
+    monkeypatch.setattr(attention_triton, "SPLIT_KERNEL", True)
+    monkeypatch.setattr(attention_triton, "runs_on", lambda x: True)
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    assert attention_triton.takes(q)
+    kernels._FAILED.add("split_attention")
+    assert not attention_triton.takes(q)
 
 
 def test_launch_configs_from_the_environment():
@@ -113,6 +127,7 @@ def test_the_engine_through_the_kernel_equals_target_greedy(targets, tiny_checkp
     from tests.test_engine import greedy, make_drafter, prompt_ids
 
     target = targets[family]
+    monkeypatch.setattr(attention_triton, "SPLIT_KERNEL", False)
     expected = Engine(target, max_len=128).generate(prompt_ids(), greedy()).tokens
     monkeypatch.setattr(attention_triton, "SPLIT_KERNEL", True)
     drafter = make_drafter(tiny_checkpoints[family])

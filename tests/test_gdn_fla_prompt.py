@@ -75,7 +75,7 @@ def _run(model, chunks, form, monkeypatch, keep=None):
     """Forward `chunks` through one cache, a prompt's GDN through `form` (`use`); optionally
     roll the last one back to `keep` of its tokens. Returns (logits of the last chunk, cache)."""
     use(form, monkeypatch)
-    cache = model.new_cache(128)
+    cache = model.new_cache(512)
     with torch.inference_mode():
         for ids in chunks:
             logits = model(ids, cache).logits
