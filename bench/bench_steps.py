@@ -385,7 +385,7 @@ def main() -> None:
     p.add_argument("--no-fuse", action="store_true", help="keep the targets' q/k/v, gate/up and GDN in_proj_* linears separate (default: fused, as load_target does)")
     p.add_argument("--int4-head", action="store_true", help="the INT4 target's LM head in INT4 too (RTN, qfd.quant.head; default: bf16 head, as INT4 checkpoints ship it)")
     p.add_argument("--profile", action="store_true", help="also profile the target's decode and verify (CUDA kernels / CPU ops; first setting)")
-    p.add_argument("--reference-kernels", action="store_true", help="the torch GDN recurrence and the single attention-values GEMM instead of the fused GDN step kernel and the split product (side-by-side runs)")
+    p.add_argument("--reference-kernels", action="store_true", help="the torch GDN recurrence and the torch attention with a single attention-values GEMM instead of the fused GDN step kernel and the split-KV attention kernels (side-by-side runs)")
     p.add_argument("--no-fused-conv", action="store_true", help="the GDN step kernel without the conv/SiLU/normalisation/gates folded in (conv and gates in torch: the 2026-12-04 kernel; side-by-side runs)")
     p.add_argument("--tree", type=int, default=0, metavar="N", help="also time a draft-tree verify of N tokens + keeping one path (qfd.tree), per setting")
     p.add_argument("--targets-only", action="store_true", help="time the targets only (no drafter, no ledger)")
@@ -415,7 +415,7 @@ def main() -> None:
         import qfd.models.cache
         import qfd.models.target
 
-        qfd.models.cache.FUSED_STEP = qfd.models.target.SPLIT_VALUES = False
+        qfd.models.cache.FUSED_STEP = qfd.models.target.SPLIT_VALUES = attention_triton.SPLIT_KERNEL = False
     if args.no_fused_conv:
         import qfd.models.cache
 

@@ -20,11 +20,15 @@
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks)
 #   TREE=N       also a draft-tree verify of N tokens + keep per setting (bench_steps --tree N)
+#   STEPS_S      each run's time limit (default 150); the first run gets STEPS_FIRST_S (default
+#                STEPS_S + 120): on a fresh machine it compiles every kernel (and flash-linear-attention
+#                autotunes) before its first figures are saved - twice a 100-130 s limit left none
 export PYTHONPATH=${QFD_SRC:-$PWD}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-180}
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 [ "${TESTS_K:-}" = none ] || (cd "$SRC" && timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py tests/test_int4_dequant.py tests/test_attention_triton.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -3)
 [ -z "${INT4_AB:-}" ] || timeout "${INT4_AB_S:-150}" python3 "$SRC/bench/bench_int4_kernels.py" --ab --rows 1,16,32 --out "$OUT/int4_ab.json" 2>&1 | grep -v Warning | tee "$OUT/int4_ab.log" | tail -60
+limit=${STEPS_FIRST_S:-$(( ${STEPS_S:-150} + 120 ))}
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
@@ -38,9 +42,10 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
     [ "$variant" = int4_head ] && flags="--int4-head"
-    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention timeout "${STEPS_S:-150}" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"
     grep "us of kernels\|fell back" "$OUT/targets_$variant.log"
+    limit=${STEPS_S:-150}
 done
