@@ -65,8 +65,12 @@ def test_after_a_failure_the_steps_use_the_torch_path(monkeypatch):
 
 
 def test_launch_configs_from_the_environment():
+    from qfd.errors import QfdError
+
     assert parse_configs("16=32,4,2; 64=64,8,1") == {16: (32, 4, 2), 64: (64, 8, 1)}
     assert parse_configs("") == {}
+    with pytest.raises(QfdError, match="QFD_ATTENTION_CONFIG"):
+        parse_configs("16=32,4")
 
 
 @needs_triton

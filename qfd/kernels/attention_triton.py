@@ -25,6 +25,7 @@ import os
 import torch
 
 from qfd import kernels
+from qfd.errors import QfdError
 from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
 
 SPLIT_KERNEL = os.environ.get("QFD_ATTENTION_KERNEL", "triton") == "triton"
@@ -37,23 +38,32 @@ def parse_configs(text: str) -> dict[int, tuple[int, int, int]]:
     step, warps, pipeline stages) of the split kernel (bench/bench_attention.py prints the
     fastest per step kind)."""
     configs = {}
-    for item in filter(None, text.replace(" ", "").split(";")):
-        rows, values = item.split("=")
-        block_keys, warps, stages = (int(v) for v in values.split(","))
-        configs[int(rows)] = (block_keys, warps, stages)
+    try:
+        for item in filter(None, text.replace(" ", "").split(";")):
+            rows, values = item.split("=")
+            block_keys, warps, stages = (int(v) for v in values.split(","))
+            configs[int(rows)] = (block_keys, warps, stages)
+    except ValueError:
+        raise QfdError(f"QFD_ATTENTION_CONFIG={text!r}: expected rows=keys,warps,stages entries separated by ';', e.g. 16=32,4,2;64=32,4,2") from None
     return configs
 
 
-CONFIGS = parse_configs(os.environ.get("QFD_ATTENTION_CONFIG", ""))
+CONFIGS: dict[int, tuple[int, int, int]] = {}  # set by bench/bench_attention.py; then the environment's
+
+
+@functools.cache
+def _environment_configs() -> dict[int, tuple[int, int, int]]:
+    return parse_configs(os.environ.get("QFD_ATTENTION_CONFIG", ""))  # read at the first step, not at import
 
 
 def split_config(head_dim: int, block_rows: int) -> tuple[int, int, int]:
-    """(keys per loop step, warps, stages) for the split kernel: QFD_ATTENTION_CONFIG's entry,
-    else 32 keys, 4 warps, 2 stages for 256-wide heads - the fastest of 8 configs at every
+    """(keys per loop step, warps, stages) for the split kernel: CONFIGS' or QFD_ATTENTION_CONFIG's
+    entry, else 32 keys, 4 warps, 2 stages for 256-wide heads - the fastest of 8 configs at every
     Qwen3.5-4B step but one (bench/bench_attention.py on the H100, docs/benchmarks.md twelfth
     session) - and 64 keys for narrower heads (not measured)."""
-    if block_rows in CONFIGS:
-        return CONFIGS[block_rows]
+    for table in (CONFIGS, _environment_configs()):
+        if block_rows in table:
+            return table[block_rows]
     return (32 if head_dim > 128 else 64), 4, 2
 
 
@@ -66,14 +76,6 @@ def takes(q: torch.Tensor) -> bool:
 if _HAVE_TRITON:
 
     @triton.jit
-    def _program_rows(KVH, R, BR: tl.constexpr):
-        """Program axes 0 (b * KVH + kv head) and 1 (row block): (axis 0, b, kv head, the
-        block's BR row indices, which of them exist)."""
-        pid_bh = tl.program_id(0)
-        rows = tl.program_id(1) * BR + tl.arange(0, BR)
-        return pid_bh, pid_bh // KVH, pid_bh % KVH, rows, rows < R
-
-    @triton.jit
     def _split_kernel(
         q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr,
         T, S, R, KVH, GROUP, SPLITS, keys_per_split, scale,
@@ -84,7 +86,11 @@ if _HAVE_TRITON:
         R = GROUP * T query rows (row r: query head kvh * GROUP + r // T, token r % T) against
         keys [keys_per_split * pid_s, +keys_per_split). Writes the unnormalised weighted values
         [BR, D] and the running max and sum of each row (float32)."""
-        pid_bh, b, kvh, rows, r_mask = _program_rows(KVH, R, BR)
+        pid_bh = tl.program_id(0)
+        b = pid_bh // KVH
+        kvh = pid_bh % KVH
+        rows = tl.program_id(1) * BR + tl.arange(0, BR)
+        r_mask = rows < R
         pid_s = tl.program_id(2)
         t = rows % T
         head = kvh * GROUP + rows // T
