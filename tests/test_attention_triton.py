@@ -12,10 +12,20 @@ import pytest
 import torch
 
 from qfd.kernels import attention_triton
-from qfd.kernels.attention_triton import block_rows_for, launch_shape, parse_configs, reference_attention
+from qfd.kernels.attention_triton import block_rows_for, launch_shape, parse_configs
 from qfd.models.target import grouped_attention
 from tests.test_gdn_kernel import KERNEL_DEVICE, needs_triton
 from tests.test_tree import targets  # noqa: F401 (fixture)
+
+
+def reference_attention(q, k, v, mask):
+    """What the kernels compute, in float32 torch: q [B, H, T, D] over k/v [B, KVH, S, D], mask
+    [T, S] bool (True = visible); query head h reads kv head h // (H / KVH)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
+    scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return (probs @ v).to(q.dtype)
 
 
 def attention_inputs(B, H, KVH, T, S, D, kind, seed=0, dtype=torch.float32, device="cpu"):
@@ -62,6 +72,18 @@ def test_after_a_failure_the_steps_use_the_torch_path(monkeypatch):
     assert attention_triton.takes(q)
     kernels._FAILED.add("split_attention")
     assert not attention_triton.takes(q)
+
+
+def test_where_the_kernels_fail_the_op_gives_the_torch_paths_result(monkeypatch):
+    from qfd import kernels
+
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    monkeypatch.setattr(attention_triton, "_split_kernel", None, raising=False)  # "fails to compile"
+    q, k, v, mask = attention_inputs(1, 8, 2, 3, 100, 32, "tree")
+    with pytest.warns(RuntimeWarning, match="split_attention"):
+        out = attention_triton.split_attention(q, k, v, mask)
+    assert "split_attention" in kernels._FAILED
+    torch.testing.assert_close(out, grouped_attention(q, k, v, mask))
 
 
 def test_launch_configs_from_the_environment():

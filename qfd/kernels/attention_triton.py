@@ -68,8 +68,8 @@ def split_config(head_dim: int, block_rows: int) -> tuple[int, int, int]:
 
 
 def takes(q: torch.Tensor) -> bool:
-    """Whether a step's attention runs through the kernels here (not after they have failed:
-    the torch path is faster than `reference_attention`, the op's one-off fallback)."""
+    """Whether a step's attention runs through the kernels here (not after they have failed: then
+    the step calls the torch path itself, which torch.compile can fuse, rather than the op)."""
     return SPLIT_KERNEL and runs_on(q) and q.shape[-1] in (16, 32, 64, 128, 256) and "split_attention" not in kernels._FAILED
 
 
@@ -172,16 +172,6 @@ def launch_shape(batch: int, kv_heads: int, rows: int, keys: int, processors: in
     return -(-keys // keys_per_split), keys_per_split
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """What the kernel computes, in float32 torch: q [B, H, T, D] over k/v [B, KVH, S, D], mask
-    [T, S] bool (True = visible); query head h reads kv head h // (H / KVH). Returns [B, H, T, D]."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.float().repeat_interleave(group, dim=1), v.float().repeat_interleave(group, dim=1)
-    scores = (q.float() @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-    return (probs @ v).to(q.dtype)
-
-
 @torch.library.custom_op("qfd::split_attention", mutates_args=())
 def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The kernel pair as one opaque torch op (torch.compile keeps it whole). Returns [B, T, H, D]
@@ -199,13 +189,12 @@ def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         acc = torch.empty(B * kv_heads * splits * rows, D, dtype=torch.float32, device=q.device)
         max_sum = torch.empty(B * kv_heads * splits * rows, 2, dtype=torch.float32, device=q.device)
         out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
-        mask_bytes = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.contiguous().view(torch.uint8)
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if x.stride(-1) != 1:
-                raise ValueError(f"split_attention: {name}'s last dimension must be contiguous")
+        # the kernels take any strides but the last dimension's (the cache buffers: always 1)
+        qc, kc, vc = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        mask_bytes = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)
         _split_kernel[(B * kv_heads, row_blocks, splits)](
-            q, k, v, mask_bytes, acc, max_sum, T, S, rows, kv_heads, group, splits, keys_per_split, D**-0.5,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), mask_bytes.stride(0),
+            qc, kc, vc, mask_bytes, acc, max_sum, T, S, rows, kv_heads, group, splits, keys_per_split, D**-0.5,
+            qc.stride(0), qc.stride(1), qc.stride(2), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), mask_bytes.stride(0),
             D=D, BR=block_rows, BS=block_keys, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
         )
         block_d = min(D, 64)
@@ -215,7 +204,12 @@ def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         )
         return out
 
-    return launch_or_fallback("split_attention", launch, lambda: reference_attention(q, k, v, mask).transpose(1, 2).contiguous())
+    def torch_path():  # where the kernels failed: the served torch attention, in this op's layout
+        from qfd.models.target import grouped_attention  # (target.py imports this module)
+
+        return grouped_attention(q, k, v, mask).transpose(1, 2).contiguous()
+
+    return launch_or_fallback("split_attention", launch, torch_path)
 
 
 @split_attention_op.register_fake
