@@ -169,7 +169,10 @@ def target_costs(model, max_len, block, measure, device, taps, compile_steps=Fal
                 if device.type == "cuda" and gdn_fla.BACKEND != "qfd" and gdn_fla.installed():  # and with qfd's own chunked GDN
                     with gdn_prefill_backend("qfd"):
                         out[f"prefill_qfd_gdn_{name}_ms"] = measure(prefill, iters=3, warmup=1)
-                    if gdn_fla.PROMPT_CONV != "fla":  # and with the package's conv too
+                    if gdn_fla.PROMPT_CONV == "fla":  # and with qfd's conv and gates before the package's rule
+                        with gdn_prefill_backend("fla"):
+                            out[f"prefill_torch_conv_{name}_ms"] = measure(prefill, iters=3, warmup=1)
+                    else:  # and with the package's conv too
                         with gdn_prefill_backend("fla_conv"):
                             out[f"prefill_fla_conv_{name}_ms"] = measure(prefill, iters=3, warmup=1)
             if n_in <= GRAPHED_PREFILL_MAX_TOKENS and block >= PREFILL_CHUNK:  # as the Engine serves a short prompt
@@ -510,6 +513,7 @@ def report(results: dict) -> None:
     console.print(target)
     prefill_forms = (("prefill", "eager (served for long prompts)"), ("prefill_qfd_gdn", "eager, qfd's own chunked GDN (not flash-linear-attention)"),
                      ("prefill_fla_conv", "eager, flash-linear-attention's conv too (QFD_GDN_PROMPT_CONV=fla)"),
+                     ("prefill_torch_conv", "eager, qfd's conv before flash-linear-attention's rule (QFD_GDN_PROMPT_CONV=torch)"),
                      ("prefill_before", "eager as before 2026-12-05"), ("prefill_chunked", "graphed 16-token chunks (served for short prompts)"))
     prefill = Table(title=f"prefill, ms ({kind})")
     for col in ("setting", "target", *(label for _, label in prefill_forms)):

@@ -8,6 +8,9 @@ path; the served engine's output equals greedy decoding)."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -130,7 +133,15 @@ def test_kernel_in_bf16_on_a_gpu(T, kind, monkeypatch):
     assert not kernels._FAILED
 
 
-@needs_triton
+# The tiny targets of tests/test_tree.py live on the CPU: their steps reach the kernels only
+# under Triton's interpreter (on a GPU machine without it they would test the torch path).
+needs_interpreter = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU models reach the kernels only under TRITON_INTERPRET=1 (the GPU test below runs them on CUDA)",
+)
+
+
+@needs_interpreter
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 @pytest.mark.parametrize("fixed_shape", [False, True])
 def test_a_tree_verify_through_the_kernel_equals_a_forward_over_each_path(targets, family, fixed_shape, monkeypatch):
@@ -144,7 +155,7 @@ def test_a_tree_verify_through_the_kernel_equals_a_forward_over_each_path(target
     assert calls  # the steps' attention went through the kernel
 
 
-@needs_triton
+@needs_interpreter
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_the_engine_through_the_kernel_equals_target_greedy(targets, tiny_checkpoints, family, monkeypatch):
     """Target-only and speculative (chain and tree) decoding with the kernel give the tokens of
@@ -160,3 +171,29 @@ def test_the_engine_through_the_kernel_equals_target_greedy(targets, tiny_checkp
     assert Engine(target, max_len=128).generate(prompt_ids(), greedy()).tokens == expected
     assert Engine(target, drafter=drafter, max_len=128).generate(prompt_ids(), greedy()).tokens == expected
     assert Engine(target, drafter=drafter, max_len=128, tree_size=8).generate(prompt_ids(), greedy()).tokens == expected
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or not torch.cuda.is_available(), reason="needs Triton and a GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_on_a_gpu_the_engine_through_the_kernel_equals_the_torch_path(tiny_checkpoints, family, monkeypatch):
+    """The tiny targets on CUDA (float32, CUDA graphs as served): target-only, chain and tree
+    decoding with the steps' attention in the kernels give the torch path's target-only tokens,
+    and the kernels ran (no fallback)."""
+    from qfd import kernels
+    from qfd.engine import Engine
+    from qfd.models.loading import load_target
+    from tests.test_engine import greedy, make_drafter, prompt_ids
+
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    target = load_target(tiny_checkpoints[family], device="cuda", tokenizer=False)[0]
+    drafter = make_drafter(tiny_checkpoints[family]).to("cuda")
+    monkeypatch.setattr(attention_triton, "SPLIT_KERNEL", False)
+    expected = Engine(target, max_len=128).generate(prompt_ids(), greedy()).tokens
+    calls = []
+    real = attention_triton.split_attention
+    monkeypatch.setattr(attention_triton, "SPLIT_KERNEL", True)
+    monkeypatch.setattr(attention_triton, "split_attention", lambda *a: calls.append(1) or real(*a))
+    assert Engine(target, max_len=128).generate(prompt_ids(), greedy()).tokens == expected
+    assert Engine(target, drafter=drafter, max_len=128).generate(prompt_ids(), greedy()).tokens == expected
+    assert Engine(target, drafter=drafter, max_len=128, tree_size=8).generate(prompt_ids(), greedy()).tokens == expected
+    assert calls and not kernels._FAILED

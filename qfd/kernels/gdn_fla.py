@@ -8,11 +8,12 @@ kernels vLLM and transformers use for Qwen3-Next / Qwen3.5) does the same math i
 launches per layer. It is optional: qfd uses it for prompts longer than a verify step when it
 imports and the tensors are on a GPU (`QFD_GDN_PREFILL=qfd` turns it off, `=fla` insists).
 
-`QFD_GDN_PROMPT_CONV=fla` goes further (`prompt_conv_and_rule`): the package's causal conv
-reads the fused projection's channels in place (no transposed window copy, no cuDNN
-depthwise conv) and its chunk rule normalises q/k and maps each key head to its value heads
-in-kernel (no float32 q/k copies, no repeat). Off (`torch`: qfd's conv and gates before the
-package's chunk rule) until timed on a GPU.
+With the package, its causal conv runs too (`prompt_conv_and_rule`): it reads the fused
+projection's channels in place (no transposed window copy, no cuDNN depthwise conv) and its
+chunk rule normalises q/k and maps each key head to its value heads in-kernel (no float32 q/k
+copies, no repeat). An 8K prefill at Qwen3.5-4B shape on an H100: 254 -> 189 ms bf16
+(docs/benchmarks.md, 2026-12-06). `QFD_GDN_PROMPT_CONV=torch` keeps qfd's conv and gates
+before the package's chunk rule.
 
 Precision: q, k and v go in at the model's 16-bit dtype (as transformers passes them), the
 decays and the state in float32; qfd's own path is float32 throughout. Losslessness does not
@@ -28,7 +29,7 @@ import os
 import torch
 
 BACKEND = os.environ.get("QFD_GDN_PREFILL", "auto")  # auto | fla | qfd
-PROMPT_CONV = os.environ.get("QFD_GDN_PROMPT_CONV", "torch")  # torch | fla (prompt_conv_and_rule)
+PROMPT_CONV = os.environ.get("QFD_GDN_PROMPT_CONV", "fla")  # fla (prompt_conv_and_rule) | torch
 
 
 @functools.cache
