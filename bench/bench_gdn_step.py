@@ -44,7 +44,8 @@ def layer_inputs(T: int, device):
 
 def run_config(T, device, block_v, warps, chunk):
     """(us per call, outputs) of the op with this launch split (chunk: the parallel verify form)."""
-    gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS = block_v, warps
+    split = gdn_verify_triton if chunk else gdn_triton  # the parallel form has its own split
+    split.BLOCK_V, split.NUM_WARPS = block_v, warps
     gdn_verify_triton.CHUNK_VERIFY = chunk
     window, conv_weight, a, b, A_log, dt_bias, state0 = layer_inputs(T, device)
     state, start = state0.clone(), torch.empty_like(state0)
@@ -74,7 +75,8 @@ def main() -> None:
     from rich.table import Table
 
     device = torch.device("cuda")
-    served = (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_verify_triton.CHUNK_VERIFY)
+    loop_split, chunk_split = (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS), (gdn_verify_triton.BLOCK_V, gdn_verify_triton.NUM_WARPS)
+    served = (*(chunk_split if gdn_verify_triton.CHUNK_VERIFY else loop_split), gdn_verify_triton.CHUNK_VERIFY)
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         kernels._FAILED.discard("gated_delta_conv_step")
@@ -96,7 +98,8 @@ def main() -> None:
             diff = max(float((g - w).abs().max()) for g, w in zip(got, base))
             rows.append({"tokens": T, "block_v": bv, "warps": warps, "verify": "chunk" if chunk else "loop", "us": us, "served": False, "max_diff": diff})
             args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))  # what a time limit leaves
-    gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS, gdn_verify_triton.CHUNK_VERIFY = served
+    (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS), (gdn_verify_triton.BLOCK_V, gdn_verify_triton.NUM_WARPS) = loop_split, chunk_split
+    gdn_verify_triton.CHUNK_VERIFY = served[2]
     table = Table(title=f"GDN step kernel at Qwen3.5-4B's layer shape, us per call in a CUDA graph ({torch.cuda.get_device_name()})")
     for col in ("tokens", "verify", "block_v", "warps", "us", "x served", "max |diff| vs served"):
         table.add_column(col, justify="right")

@@ -21,10 +21,13 @@ import torch
 from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
 
 
-# Each program owns a [dk, BLOCK_V] slice of one head's state (32 heads x 128/32 = 128
-# programs at Qwen3.5-4B shape: one per SM). bench/bench_gdn_step.py times other splits.
-BLOCK_V = int(os.environ.get("QFD_GDN_BLOCK_V", "32"))
-NUM_WARPS = int(os.environ.get("QFD_GDN_WARPS", "4"))
+# Each program owns a [dk, BLOCK_V] slice of one head's state: at Qwen3.5-4B shape 32 heads x
+# 128/8 = 512 one-warp programs, several per SM, so one program's per-token chain (conv, two
+# reductions over d_k) overlaps the others'. bench/bench_gdn_step.py on an H100 (2026-12-06):
+# a 16-token step 67.0 -> 41.7 us against 32-wide blocks of 4 warps (one program per SM), one
+# token 8.2 -> 7.9 us.
+BLOCK_V = int(os.environ.get("QFD_GDN_BLOCK_V", "8"))
+NUM_WARPS = int(os.environ.get("QFD_GDN_WARPS", "1"))
 
 
 if _HAVE_TRITON:
@@ -242,16 +245,15 @@ def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: to
         a_, b_ = (a, b) if a.stride() == b.stride() and a.stride(2) == 1 and a.stride(0) == T * a.stride(1) else (a.contiguous(), b.contiguous())
         from qfd.kernels import gdn_verify_triton  # (it builds on this module's helpers)
 
-        block_v = BLOCK_V
         if gdn_verify_triton.takes(T):  # the tokens in parallel (WY form), not one after another
             gdn_verify_triton.launch(window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias, out, state, start, history, conv_state,
-                                     k_heads, a_.stride(1), block_v, NUM_WARPS)
+                                     k_heads, a_.stride(1))
             return out
-        _gated_delta_conv_kernel[(B * H, triton.cdiv(dv, block_v))](
+        _gated_delta_conv_kernel[(B * H, triton.cdiv(dv, BLOCK_V))](
             window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias,
             out, state, start, history, conv_state,
             T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, a_.stride(1),
-            DK=dk, BV=block_v, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, num_warps=NUM_WARPS,
+            DK=dk, BV=BLOCK_V, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, num_warps=NUM_WARPS,
         )
         return out
 
@@ -284,10 +286,9 @@ def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         return out
     q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
     out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
-    block_v = BLOCK_V
-    _gated_delta_kernel[(B * H, triton.cdiv(dv, block_v))](
+    _gated_delta_kernel[(B * H, triton.cdiv(dv, BLOCK_V))](
         q, k, v, g, beta, out, state, start, history, T, H, dv, history.shape[1],
-        DK=dk, BV=block_v, num_warps=NUM_WARPS,
+        DK=dk, BV=BLOCK_V, num_warps=NUM_WARPS,
     )
     return out
 
@@ -317,13 +318,12 @@ def gated_delta_tree_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: 
 
         q_, k_, v_, g_, b_ = (x.float().contiguous() for x in (q, k, v, g, beta))
         out = torch.empty(B, T, H, dv, dtype=torch.float32, device=q.device)
-        block_v = BLOCK_V
         if gdn_verify_triton.takes(T):  # the nodes in parallel (WY form over each node's path)
-            gdn_verify_triton.launch_tree(q_, k_, v_, g_, b_, parents.to(torch.int64).contiguous(), out, state, history, block_v, NUM_WARPS)
+            gdn_verify_triton.launch_tree(q_, k_, v_, g_, b_, parents.to(torch.int64).contiguous(), out, state, history)
             return out
-        _gated_delta_tree_kernel[(B * H, triton.cdiv(dv, block_v))](
+        _gated_delta_tree_kernel[(B * H, triton.cdiv(dv, BLOCK_V))](
             q_, k_, v_, g_, b_, out, state, history, parents.to(torch.int64).contiguous(), T, H, dv, history.shape[1],
-            DK=dk, BV=block_v, num_warps=NUM_WARPS,
+            DK=dk, BV=BLOCK_V, num_warps=NUM_WARPS,
         )
         return out
 

@@ -21,8 +21,10 @@ A draft tree's verify (`gdn_triton.gated_delta_tree_step`) is the same with the 
 triangle replaced by each node's ancestors (the closure of the parent links, by repeated
 squaring) and gamma_t the decay along the node's path.
 
-Not yet timed on a GPU (tested under Triton's interpreter): off by default,
-`QFD_GDN_VERIFY=chunk` turns it on for both.
+Measured slower than the token loop on an H100 (2026-12-06, bench/bench_gdn_step.py, a
+16-token step at Qwen3.5-4B shape: 79.4 us with 16-wide blocks, 121.9 with 32-wide, against
+the loop's 41.7): off by default, `QFD_GDN_VERIFY=chunk` turns it on for both. Kept for other
+GPUs and longer steps, where its fixed cost of matrix products may win.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ if _HAVE_TRITON:
 
 CHUNK_VERIFY = os.environ.get("QFD_GDN_VERIFY", "loop") == "chunk"
 MAX_TOKENS = 32  # a step of more tokens keeps the token loop
+# Its own launch split (tl.dot needs 16-wide tiles; the loop kernel's 8-wide one-warp blocks do
+# not fit it): the faster of the two timed, bench/bench_gdn_step.py on an H100 (2026-12-06).
+BLOCK_V, NUM_WARPS = 16, 4
 
 
 def takes(T: int) -> bool:
@@ -203,19 +208,19 @@ def _tokens_tile(T: int) -> tuple[int, int]:
     return tp, tp.bit_length() - 2
 
 
-def launch_tree(q, k, v, g, beta, parents, out, state, history, block_v: int, num_warps: int) -> None:
+def launch_tree(q, k, v, g, beta, parents, out, state, history) -> None:
     """`_gated_delta_tree_chunk_kernel` over a tree step (`gdn_triton.gated_delta_tree_step`'s
     tensors, contiguous float32; parents int64)."""
     B, T, H, dk = k.shape
     dv = v.shape[-1]
     tp, factors = _tokens_tile(T)
-    _gated_delta_tree_chunk_kernel[(B * H, triton.cdiv(dv, block_v))](
+    _gated_delta_tree_chunk_kernel[(B * H, triton.cdiv(dv, BLOCK_V))](
         q, k, v, g, beta, parents, out, state, history, T, H, dv, history.shape[1],
-        DK=dk, BV=block_v, TP=tp, FACTORS=factors, num_warps=num_warps,
+        DK=dk, BV=BLOCK_V, TP=tp, FACTORS=factors, num_warps=NUM_WARPS,
     )
 
 
-def launch(window, conv_weight, a, b, A_log, dt_bias, out, state, start, history, conv_state, k_heads: int, ab_row: int, block_v: int, num_warps: int) -> None:
+def launch(window, conv_weight, a, b, A_log, dt_bias, out, state, start, history, conv_state, k_heads: int, ab_row: int) -> None:
     """`_gated_delta_chunk_kernel` over the step (`gdn_triton.gated_delta_conv_step`'s tensors;
     a, b already in the row layout `ab_row` apart)."""
     B, C, W = window.shape
@@ -223,9 +228,9 @@ def launch(window, conv_weight, a, b, A_log, dt_bias, out, state, start, history
     dk, dv = state.shape[-2], state.shape[-1]
     kc = conv_weight.shape[-1]
     tp, factors = _tokens_tile(T)
-    _gated_delta_chunk_kernel[(B * H, triton.cdiv(dv, block_v))](
+    _gated_delta_chunk_kernel[(B * H, triton.cdiv(dv, BLOCK_V))](
         window, conv_weight, a, b, A_log, dt_bias, out, state, start, history, conv_state,
         T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, ab_row,
-        DK=dk, BV=block_v, TP=tp, FACTORS=factors, KC=kc, KCP=triton.next_power_of_2(kc),
-        ROUND=window.dtype != torch.float32, num_warps=num_warps,
+        DK=dk, BV=BLOCK_V, TP=tp, FACTORS=factors, KC=kc, KCP=triton.next_power_of_2(kc),
+        ROUND=window.dtype != torch.float32, num_warps=NUM_WARPS,
     )
