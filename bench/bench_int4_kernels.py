@@ -246,6 +246,8 @@ def ab_variants(m: int, n: int, k: int):
     """(label, KernelConfig) of what --ab times against the served config (label "served")."""
     served = int4_triton.pick_config(m, n, k, torch.device("cuda"))
     yield "served", served
+    if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch (QFD_INT4_PDL=1)
+        yield "pdl", replace(served, pdl=True)
     if served.use_dot:
         yield "magic", replace(served, magic=True)
     if m == 1:  # the tensor-core path for one row (15 of its 16 rows masked), exact and magic

@@ -192,3 +192,43 @@ def test_magic_operand_matches_the_exact_operand(dtype, symmetric, rows, block_m
     assert (got.float() - reference).abs().max() <= (exact.float() - reference).abs().max() * 1.5 + 2e-2
     torch.testing.assert_close(got.float(), exact.float(), rtol=2e-2, atol=2e-2)
     assert int(packed.counters.abs().sum()) == 0
+
+
+def test_programmatic_dependent_launch_is_off_where_it_cannot_run(monkeypatch):
+    """QFD_INT4_PDL asks for it; it is used only on a CUDA tensor of a Hopper-or-later GPU outside
+    Triton's interpreter (the interpreter has no griddepcontrol)."""
+    monkeypatch.setattr(int4_triton, "PDL_LAUNCH", True)
+    cfg = int4_triton.KernelConfig(use_dot=False, block_n=32, split_k=1)
+    assert not int4_triton._pdl(cfg, torch.zeros(1))  # a CPU tensor
+    monkeypatch.setattr(int4_triton, "PDL_LAUNCH", False)
+    assert not int4_triton._pdl(cfg, torch.zeros(1))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability()[0] < 9, reason="programmatic dependent launch: Hopper or later")
+@pytest.mark.parametrize("rows,use_dot,tiles,split_k", [(1, False, 0, 2), (1, False, 2, 2), (16, True, 0, 2), (32, True, 0, 1)])
+def test_a_chain_of_dependent_launches_in_a_cuda_graph_equals_the_reference(rows, use_dot, tiles, split_k):
+    """Each product reads the one before it (a square weight, so x -> y -> y' ...): with
+    QFD_INT4_PDL's launch a kernel may start before its predecessor ends, and its wait must
+    still see that predecessor's output - eagerly and replayed from a CUDA graph."""
+    qw = weight(256, 256, 128)
+    packed = int4_triton.pack_for_triton(qw, "cuda")
+    config = int4_triton.KernelConfig(use_dot=use_dot, block_n=32, split_k=split_k, tiles=tiles, block_m=32 if rows > 16 else 16, pdl=True)
+    assert int4_triton._pdl(config, torch.zeros(1, device="cuda"))
+    x = torch.randn(rows, 256, device="cuda")
+
+    def chain(h, launch):  # launch after launch, nothing between them (std shrinks ~0.8x a product)
+        for _ in range(6):
+            h = launch(h)
+        return h
+
+    expected = chain(x, lambda h: int4_triton.reference_matmul(h, packed))
+    torch.testing.assert_close(chain(x, lambda h: int4_triton.int4_matmul(h, packed, config=config)), expected, rtol=1e-3, atol=1e-3)
+    static_x = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = chain(static_x, lambda h: int4_triton.int4_matmul(h, packed, config=config))
+    for _ in range(3):
+        graph.replay()
+        torch.testing.assert_close(static_y, expected, rtol=1e-3, atol=1e-3)
+    assert int(packed.counters.abs().sum()) == 0

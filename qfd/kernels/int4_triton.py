@@ -181,7 +181,7 @@ if _HAVE_TRITON:
         M, N, K, KT, stride_xm, stride_ym,
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
-        DOT_IEEE: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,
+        DOT_IEEE: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr, PDL: tl.constexpr,
     ):
         """One program: rows [BM*pid_m, +BM) x outputs [BN*pid_n, +BN) x K tiles of split pid_k.
 
@@ -212,6 +212,8 @@ if _HAVE_TRITON:
         q_mask = (offs_p[:, None] < 16) & n_mask[None, :]  # [16, BN], the full shape of a tile load
         zero_p = offs_p[:, None] * 0  # tile indices as [16, 1] tensors: a scalar compare in a mask trips Triton's interpreter
         p_next = tl.load(q_rows + t0 * 16 * N, mask=q_mask & (zero_p + t0 < t1), other=0)
+        if PDL:  # the weights above are constant: only x (and any store) waits for the kernel before
+            tl.extra.cuda.gdc_wait()
         for t in range(t0, t1):
             p_cur = p_next
             # prefetch the next tile while this one is dequantized (two tiles in flight)
@@ -265,6 +267,8 @@ if _HAVE_TRITON:
                         if ((j + 1) * 16) % GROUP == 0 or j == 7:
                             acc += part * s[None, :]
 
+        if PDL:  # the next kernel may start its own weight loads now
+            tl.extra.cuda.gdc_launch_dependents()
         if USE_DOT:
             out = acc
             out_m = offs_m
@@ -285,7 +289,7 @@ if _HAVE_TRITON:
         x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         N, K, KT,
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BN: tl.constexpr, TILES: tl.constexpr, SPLIT_K: tl.constexpr, OFFSET_SUM: tl.constexpr,
+        BN: tl.constexpr, TILES: tl.constexpr, SPLIT_K: tl.constexpr, OFFSET_SUM: tl.constexpr, PDL: tl.constexpr,
     ):
         """One row (decode): outputs [BN*pid_n, +BN) x the K steps of split pid_k, a step being
         TILES whole K tiles (16*TILES contiguous packed rows: one [16*TILES, BN] load). Needs
@@ -311,6 +315,8 @@ if _HAVE_TRITON:
         s1 = tl.minimum(s0 + per_split, steps)
         acc = tl.zeros((R, BN), dtype=tl.float32)
         corr = tl.zeros((BN,), dtype=tl.float32)
+        if PDL:  # x is the previous kernel's output
+            tl.extra.cuda.gdc_wait()
         for step in range(s0, s1):
             t_rows = step * TILES + row_tile  # [R] tile of each packed row
             r_mask = t_rows < KT
@@ -350,6 +356,8 @@ if _HAVE_TRITON:
                 else:
                     z_t = 8.0
                 corr += tl.sum(s_t * (16.0 + z_t) * x_tiles[:, None], axis=0)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         out = tl.sum(acc, axis=0)
         if OFFSET_SUM:
             out = 16.0 * out - corr
@@ -373,6 +381,7 @@ class KernelConfig:
     tiles: int = 0
     offset_sum: bool = False
     magic: bool | None = None  # tensor-core path, 16-bit x: the MAGIC_BITS operand (None: MAGIC_DOT)
+    pdl: bool | None = None  # programmatic dependent launch on Hopper and later (None: PDL_LAUNCH)
 
 
 # The tensor-core path's weight operand built straight in 16 bits (`_int4_mm_kernel`'s
@@ -386,6 +395,16 @@ MAGIC_DOT = os.environ.get("QFD_INT4_MAGIC", "0") == "1"
 # (H100, docs/benchmarks.md 2026-12-05 ninth session); QFD_INT4_BM32=0 for the old blocks.
 BLOCK_M_32 = os.environ.get("QFD_INT4_BM32", "1") == "1"
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # bit pattern of MAGIC, MAGIC
+# Programmatic dependent launch (Hopper and later; QFD_INT4_PDL=1, opt-in until timed on a GPU):
+# the kernel may start while the one before it finishes - its first weight tile loads before
+# `gdc_wait` (weights are constants; x and every store come after it) - which hides part of the
+# ~5 us a call costs whatever its size (docs/benchmarks.md, 2026-12-06: 128 calls per decode).
+PDL_LAUNCH = os.environ.get("QFD_INT4_PDL", "0") == "1"
+
+
+def _pdl(cfg: KernelConfig, x: torch.Tensor) -> bool:
+    wanted = PDL_LAUNCH if cfg.pdl is None else cfg.pdl
+    return wanted and x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 # Tuned launch configs per GPU model: qfd/kernels/tuned/<device name>.json, written by
@@ -475,14 +494,15 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
     magic = cfg.use_dot and (MAGIC_DOT if cfg.magic is None else cfg.magic) and x.dtype in _MAGIC
     magic_bits, magic_value = _MAGIC[x.dtype] if magic else (0, 0.0)
+    pdl = _pdl(cfg, x)
     _int4_mm_kernel[(grid_n, split, grid_m)](
         x2, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
         bias if bias is not None else packed.scales, y, ws, packed.counters,
         m, n, k, packed.qweight.shape[0] // 16, x2.stride(0), y.stride(0),
         GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
         BM=bm, BN=cfg.block_n, SPLIT_K=split, USE_DOT=cfg.use_dot, DOT_IEEE=x.dtype == torch.float32,
-        MAGIC_BITS=magic_bits, MAGIC=magic_value,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        MAGIC_BITS=magic_bits, MAGIC=magic_value, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return y.reshape(*lead, n)
 
@@ -494,13 +514,14 @@ def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, 
     steps = -(-(packed.qweight.shape[0] // 16) // cfg.tiles)
     split = min(cfg.split_k, steps) if grid_n <= packed.counters.numel() else 1
     ws = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    pdl = _pdl(cfg, x)
     _int4_gemv_kernel[(grid_n, split)](
         x, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
         bias if bias is not None else packed.scales, y, ws, packed.counters,
         n, packed.in_features, packed.qweight.shape[0] // 16,
         GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
-        BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, OFFSET_SUM=cfg.offset_sum,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, OFFSET_SUM=cfg.offset_sum, PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return y
 
