@@ -312,8 +312,14 @@ def write_tuned(where: str, results: dict) -> str:
     int4_triton.tuned_file of the GPU when empty); rewritten after every shape, so a sweep cut
     short by a time limit still leaves what it found."""
     path = Path(where) if where else int4_triton.tuned_file(results["device"])
-    entries = [{"m": r["m"], "n": r["n"], "k": r["k"], "us": round(r["triton_best_us"], 2), **r["triton_best_config"]}
-               for r in results["rows"] if "triton_best_config" in r and r["m"] in (1, 16)]
+    best: dict[tuple, dict] = {}  # two linears of one shape (o_proj, out_proj): one entry, the faster
+    for r in results["rows"]:
+        if "triton_best_config" in r and r["m"] in (1, 16):
+            entry = {"m": r["m"], "n": r["n"], "k": r["k"], "us": round(r["triton_best_us"], 2), **r["triton_best_config"]}
+            key = (r["m"], r["n"], r["k"])
+            if key not in best or entry["us"] < best[key]["us"]:
+                best[key] = entry
+    entries = list(best.values())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"device": results["device"], "torch": results["torch"], "weights": results["weights"], "configs": entries}, indent=1) + "\n")
     return f"{path} ({len(entries)} shapes)"

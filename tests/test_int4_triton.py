@@ -9,6 +9,7 @@ there. bench/bench_int4_kernels.py checks the kernel on the H200 (docs/benchmark
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -157,7 +158,6 @@ def test_one_row_gemv_kernel_matches_the_reference(symmetric, offset_sum, k, gro
 def test_pick_config_reads_the_gpus_tuned_table(tmp_path, monkeypatch):
     monkeypatch.setattr(int4_triton, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(int4_triton, "_current_device_name", lambda index: "NVIDIA Test GPU")
-    int4_triton.tuned_configs.cache_clear()
     entry = {"m": 1, "n": 512, "k": 256, "us": 3.0, "use_dot": False, "block_n": 128, "split_k": 2, "num_warps": 8, "num_stages": 3, "tiles": 2, "offset_sum": True}
     int4_triton.tuned_file("NVIDIA Test GPU").write_text(__import__("json").dumps({"device": "NVIDIA Test GPU", "configs": [entry]}))
     cuda = torch.device("cuda", 0)
@@ -232,3 +232,23 @@ def test_a_chain_of_dependent_launches_in_a_cuda_graph_equals_the_reference(rows
         graph.replay()
         torch.testing.assert_close(static_y, expected, rtol=1e-3, atol=1e-3)
     assert int(packed.counters.abs().sum()) == 0
+
+
+def test_the_tuned_table_keeps_one_entry_per_shape_the_faster(tmp_path):
+    """Two linears of one shape (Qwen3.5's attention o_proj and GDN out_proj) both swept: the
+    table `bench_int4_kernels.py --write-tuned` writes keeps the faster config once."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "bench_int4_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_int4_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    slow = vars(int4_triton.KernelConfig(use_dot=False, block_n=64, split_k=8))
+    fast = vars(int4_triton.KernelConfig(use_dot=False, block_n=32, split_k=16))
+    rows = [{"m": 1, "n": 2560, "k": 4096, "triton_best_us": 8.0, "triton_best_config": slow},
+            {"m": 1, "n": 2560, "k": 4096, "triton_best_us": 7.5, "triton_best_config": fast},
+            {"m": 16, "n": 2560, "k": 4096, "triton_best_us": 11.0, "triton_best_config": slow}]
+    out = tmp_path / "GPU.json"
+    bench.write_tuned(str(out), {"device": "GPU", "torch": "x", "weights": "hbm", "rows": rows})
+    table = json.loads(out.read_text())["configs"]
+    assert [(e["m"], e["us"], e["block_n"]) for e in table] == [(1, 7.5, 32), (16, 11.0, 64)]
