@@ -250,6 +250,11 @@ def ab_variants(m: int, n: int, k: int):
         yield "pdl", replace(served, pdl=True)
     if served.use_dot:
         yield "magic", replace(served, magic=True)
+        # the weights as the dot's first operand (QFD_INT4_WFIRST=1), exact and magic, and with
+        # two warpgroups
+        yield "wfirst", replace(served, w_first=True, magic=False)
+        yield "wfirst+magic", replace(served, w_first=True, magic=True)
+        yield "wfirst w8", replace(served, w_first=True, magic=False, num_warps=8)
     if m == 1:  # the tensor-core path for one row (15 of its 16 rows masked), exact and magic
         dot = int4_triton.heuristic_config(16, n, k)
         yield "dot", replace(dot, magic=False)

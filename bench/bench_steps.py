@@ -23,7 +23,9 @@ bench/bench_cpu_draft_len.py, which sweeps K on the embedded model. --compile to
 every fixed-shape step (decode, verify, draft) before its CUDA-graph capture (Engine(compile_steps=True)).
 --no-compile-drafter leaves the drafter's steps uncompiled (fewer compiles); add
 --compile-final-drafter to time the last ledger drafter (INT4, W = 1024) compiled too, as a
-last ledger row ("+ drafter step compiled").
+last ledger row ("+ drafter steps compiled": the draft and the append); --draft-vocab N that drafter once more with its LM
+head over N ids (as `--draft-vocab N` serves it), one more row at the same tau (an assumption:
+what a smaller draft vocabulary costs in acceptance is the model's; the mean speedup leaves it out).
 The targets' same-input projections are fused as load_target fuses them (qfd.models.fuse);
 --no-fuse (or QFD_FUSE=0) times the unfused model. --int4-head quantizes the INT4 target's LM
 head too (qfd.quant.head, as load_target(int4_head=True)); the BF16 target keeps its own.
@@ -50,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qfd.engine import GRAPHED_PREFILL_MAX_TOKENS, PREFILL_CHUNK  # noqa: E402
 from qfd import kernels  # noqa: E402
 from qfd.kernels import attention_triton, gdn_fla, gdn_verify_triton  # noqa: E402
-from qfd.kernels.int4_triton import BLOCK_M_32, MAGIC_DOT, PDL_LAUNCH  # noqa: E402
+from qfd.draft_vocab import DraftVocabHead  # noqa: E402
+from qfd.kernels.int4_triton import BLOCK_M_32, MAGIC_DOT, PDL_LAUNCH, W_FIRST_DOT  # noqa: E402
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
 from qfd.models.fuse import fuse_projections, fusion_enabled  # noqa: E402
 from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps  # noqa: E402
@@ -279,7 +282,7 @@ def kernel_profile(fn, device, iters: int = 10, top: int = 25) -> dict:
     }
 
 
-def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, num_drafts=None, compile_steps=False, group_size=128, kernel=None, out=None, on_update=None, fuse=True, compile_final=False) -> dict:
+def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, num_drafts=None, compile_steps=False, group_size=128, kernel=None, out=None, on_update=None, fuse=True, compile_final=False, vocab_head=None, variants=None, compile_append=None) -> dict:
     """One draft (StaticDraftStep) and one context append of a verify's k + 1 taps
     (StaticAppendStep, what the engine replays; `append_eager_*` the Python-launched one) for a
     5-layer drafter, bf16 and INT4 (RTN), full attention and a 1024-token window, per context.
@@ -287,13 +290,19 @@ def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, n
     first. `fuse`: k/v and gate/up stacked, as load_drafter(fuse=True) serves it.
     `compile_final` (with compile_steps off): the ledger's last drafter (INT4, W = 1024) once
     more with its draft step torch.compile'd (labels `int4_w1024_compiled_*`): one compile per
-    context instead of one per variant and context."""
+    context instead of one per variant and context.
+    `vocab_head` (qfd.draft_vocab.DraftVocabHead, as `--draft-vocab N` serves it): the ledger's
+    last drafter once more with it as its LM head (labels `int4_w1024_vocab_*`).
+    `variants` [(precision, window, compiled, vocab head or None)] replaces that list;
+    `compile_append` (None: as the draft) whether the append is compiled too."""
     out = {} if out is None else out
     rows = (num_drafts or block - 1) + 1
-    variants = [("bf16", None, compile_steps), ("int4", None, compile_steps), ("int4", 1024, compile_steps), ("bf16", 1024, compile_steps)]
-    if compile_final and not compile_steps:
-        variants.insert(3, ("int4", 1024, True))
-    for precision, window, compiled in variants:
+    variants = variants or [("bf16", None, compile_steps, None), ("int4", None, compile_steps, None), ("int4", 1024, compile_steps, None), ("bf16", 1024, compile_steps, None)]
+    if compile_final and not compile_steps and len(variants) == 4:
+        variants.insert(3, ("int4", 1024, True, None))
+    if vocab_head is not None:
+        variants.insert(4 if compile_final and not compile_steps else 3, ("int4", 1024, compile_steps or compile_final, vocab_head))
+    for precision, window, compiled, vocab in variants:
         cfg = config_for_target(shape, num_layers=5, block_size=block, sliding_window=window, mask_token_id=shape["vocab_size"] - 1)
         torch.manual_seed(0)
         drafter = DFlashDrafter(cfg).to(device=device, dtype=dtype).eval()
@@ -306,9 +315,9 @@ def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, n
             taps = torch.randn(1, context, len(cfg.target_layer_ids) * cfg.target_hidden_size, device=device, dtype=dtype)
             with torch.inference_mode():
                 drafter.append_context(cache, taps, 0)
-            step = StaticDraftStep(drafter, cache, embed=embed, head=head, num_drafts=num_drafts, compile=compiled)
-            append = StaticAppendStep(drafter, cache, rows=rows)
-            extra = "_compiled" if compiled and not compile_steps else ""
+            step = StaticDraftStep(drafter, cache, embed=embed, head=head if vocab is None else vocab, num_drafts=num_drafts, compile=compiled)
+            append = StaticAppendStep(drafter, cache, rows=rows, compile=compiled if compile_append is None else compile_append)
+            extra = "_vocab" if vocab is not None else "_compiled" if compiled and not compile_steps else ""
             label = f"{precision}_w{window or 'full'}{extra}_ctx{context}"
             out[f"draft_{label}_ms"] = measure(lambda: step(5, context), iters=20)
             new = taps[:, :rows]
@@ -326,6 +335,7 @@ def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, n
     return out
 
 
+DRAFT_VOCAB_ROW = "+ draft vocabulary (tau assumed unchanged)"
 # The paper's Table 2, one system per row, each adding one piece to the row above it.
 LEDGER = (
     ("BF16 target-only", None),
@@ -334,13 +344,30 @@ LEDGER = (
     ("+ INT4 drafter", ("int4", "full")),
     ("+ SWA drafter (W = 1024)", ("int4", "1024")),
     # only from runs with --compile-final-drafter (the rows above: drafter graphed, uncompiled)
-    ("+ drafter step compiled", ("int4", "1024_compiled")),
+    ("+ drafter steps compiled", ("int4", "1024_compiled")),  # the draft, and since 2026-12-06 the append
+    # only from runs with --draft-vocab N: the row above with the drafter's LM head over N ids
+    # (tau as given: what a smaller draft vocabulary costs in acceptance is the model's, not timed here)
+    (DRAFT_VOCAB_ROW, ("int4", "1024_vocab")),
 )
 
 
+def drafter_ab(shape, embed, head, device, dtype, block, measure, contexts, compile_steps, num_drafts, group_size, kernel, fuse, out, on_update) -> dict:
+    """The ledger's last drafter (INT4, W = 1024) before and after this session's two drafter
+    changes, side by side: its attention in torch (SDPA after a K/V copy per query head) with the
+    append graphed, uncompiled - against the split-KV kernels with the append compiled too."""
+    for name, split, compile_append in (("before", False, False), ("after", True, compile_steps)):
+        attention_triton.SPLIT_KERNEL = split
+        out[name] = drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, num_drafts=num_drafts, compile_steps=compile_steps, group_size=group_size, kernel=kernel,
+                                  fuse=fuse, variants=[("int4", 1024, compile_steps, None)], compile_append=compile_append)
+        on_update()
+    attention_triton.SPLIT_KERNEL = True
+    return out
+
+
 def final_system(rows: list[dict]) -> str | None:
-    """The last LEDGER system every row has: the full system this run timed."""
-    timed = [system for system, _ in LEDGER if rows and all(system in r for r in rows)]
+    """The last LEDGER system every row has: the full system this run timed. The draft-vocabulary
+    row is not one: its projection assumes the subset head keeps tau, which no step cost shows."""
+    timed = [system for system, _ in LEDGER if rows and all(system in r for r in rows) and system != DRAFT_VOCAB_ROW]
     return timed[-1] if timed else None
 
 
@@ -394,12 +421,17 @@ def main() -> None:
     p.add_argument("--targets-only", action="store_true", help="time the targets only (no drafter, no ledger)")
     p.add_argument("--no-compile-drafter", action="store_true", help="with --compile: compile the targets' steps only (the drafter's stay graphed, uncompiled; saves its compiles)")
     p.add_argument("--compile-final-drafter", action="store_true", help="with --compile --no-compile-drafter: also time the last drafter (INT4, W = 1024) with its draft step compiled, as one more ledger row (one compile per context)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="also time the last drafter with its LM head over N ids (--draft-vocab N when served), as one more ledger row at the same tau")
+    p.add_argument("--drafter-ab", action="store_true", help="only the last drafter (INT4, W = 1024; compiled with --compile) at 64/1K/8K context: torch attention + graphed append vs the split-KV attention + compiled append, side by side")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated latency settings to time (default all: short,medium,long)")
     p.add_argument("--out", type=Path, default=Path("bench_steps.json"))
     p.add_argument("--report", type=Path, default=None, metavar="JSON", help="print the tables of a saved run (also one cut short) and exit")
     args = p.parse_args()
     if args.report:
         results = json.loads(args.report.read_text())
+        if "drafter_ab" in results:
+            report_drafter_ab(results)
+            return
         finish(results)
         report(results)
         return
@@ -436,13 +468,19 @@ def main() -> None:
     results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "int4_magic_operand": MAGIC_DOT, "int4_block_m_32": BLOCK_M_32, "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels), "tree": args.tree,
                # the switches read from the environment (gpu_kernels_ab.sh sets them per variant)
                "attention_kernel": "triton" if attention_triton.SPLIT_KERNEL else "torch", "gdn_verify": "chunk" if gdn_verify_triton.CHUNK_VERIFY else "loop", "int4_one_row": one_row_kernel(),
-               "int4_pdl": PDL_LAUNCH}
+               "int4_pdl": PDL_LAUNCH, "int4_w_first": W_FIRST_DOT, "draft_vocab": args.draft_vocab}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures
         # Triton kernels that failed to compile or launch here ran their torch fallbacks: say so
         results["kernel_fallbacks"] = sorted(kernels._FAILED)
         args.out.write_text(json.dumps(results, indent=2))
 
+    if args.drafter_ab:  # the INT4 target for its embedding and head only
+        int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size, kernel=args.int4_kernel, fuse=fuse, int4_head=args.int4_head)
+        results["drafter_ab"] = {}
+        drafter_ab(shape, int4.embed, int4.head, device, dtype, args.block, measure, [64, 1024, 8192 if args.shape == "qwen3.5-4b" else 2048], args.compile, draft_len, args.group_size, args.int4_kernel, fuse, results["drafter_ab"], save)
+        report_drafter_ab(results)
+        return
     bf16 = build_target(shape, device, dtype, int4=False, group_size=args.group_size, fuse=fuse)
     results["bf16"] = target_costs(bf16, max_len, verify_len, measure, device, (), args.compile, settings, args.profile, args.tree)
     save()
@@ -457,8 +495,12 @@ def main() -> None:
     # the prompts' contexts (the ledger), plus 1K and 8K (issue 9: SWA at 8K vs 1K)
     contexts = sorted({1024, 8192 if args.shape == "qwen3.5-4b" else 2048} | {SETTINGS[s][0] for s in settings})
     results["drafter"] = {}
+    vocab_head = None
+    if args.draft_vocab:  # which N ids does not change the cost: random ones (random weights have no frequencies)
+        torch.manual_seed(1)
+        vocab_head = DraftVocabHead.of_target(int4, torch.randperm(shape["vocab_size"], device=device)[: args.draft_vocab])
     drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, contexts, num_drafts=draft_len, compile_steps=args.compile and not args.no_compile_drafter, group_size=args.group_size, kernel=args.int4_kernel, out=results["drafter"], on_update=save, fuse=fuse,
-                  compile_final=args.compile and args.compile_final_drafter)
+                  compile_final=args.compile and args.compile_final_drafter, vocab_head=vocab_head)
     if device.type == "cuda":
         results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     save()
@@ -476,6 +518,23 @@ def finish(results: dict) -> None:
     if final and final != LEDGER[0][0]:
         results["mean_speedup_spec"] = sum(r[LEDGER[0][0]] / r[final] for r in rows) / len(rows)
         results["full_system"] = final
+
+
+def report_drafter_ab(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    ab = results["drafter_ab"]
+    table = Table(title=f"drafter (INT4, W = 1024{', compiled' if results['compile'] else ''}) step, ms ({results['device']}): before = torch attention + graphed append, after = split-KV attention + compiled append")
+    for col in ("context", "draft before", "draft after", "x", "append before", "append after", "x", "draft + append: before -> after"):
+        table.add_column(col, justify="right")
+    for key in sorted((k for k in ab.get("after", {}) if k.startswith("draft_")), key=lambda k: int(k.rsplit("ctx", 1)[1][:-3])):
+        context = key.rsplit("ctx", 1)[1][:-3]
+        append_key = key.replace("draft_", "append_", 1)
+        db, da = ab["before"][key], ab["after"][key]
+        ab_, aa = ab["before"][append_key], ab["after"][append_key]
+        table.add_row(context, f"{db:.3f}", f"{da:.3f}", f"{db / da:.2f}x", f"{ab_:.3f}", f"{aa:.3f}", f"{ab_ / aa:.2f}x", f"{db + ab_:.3f} -> {da + aa:.3f}")
+    Console().print(table)
 
 
 def report(results: dict) -> None:

@@ -16,7 +16,9 @@
 #                through torch's tinygemm: QFD_INT4_ONE_ROW=tinygemm), int4_head (fused, the INT4
 #                target's LM head in INT4 too: --int4-head), attn_torch (fused, the steps' attention
 #                in torch - the path before the split-KV kernels: QFD_ATTENTION_KERNEL=torch), int4_pdl
-#                (fused, the INT4 kernels launched with programmatic dependent launch: QFD_INT4_PDL=1)
+#                (fused, the INT4 kernels launched with programmatic dependent launch: QFD_INT4_PDL=1),
+#                int4_wfirst (fused, the INT4 tensor-core path with the weights as the dot's first operand:
+#                QFD_INT4_WFIRST=1)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks)
@@ -33,18 +35,19 @@ limit=${STEPS_FIRST_S:-$(( ${STEPS_S:-150} + 120 ))}
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0
+    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
     [ "$variant" = gdn_chunk_verify ] && verify=chunk
     [ "$variant" = one_row_tinygemm ] && one_row=tinygemm
     [ "$variant" = attn_torch ] && attention=torch
     [ "$variant" = int4_pdl ] && pdl=1
+    [ "$variant" = int4_wfirst ] && wfirst=1
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
     [ "$variant" = int4_head ] && flags="--int4-head"
-    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention QFD_INT4_PDL=$pdl timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention QFD_INT4_PDL=$pdl QFD_INT4_WFIRST=$wfirst timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"

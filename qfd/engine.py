@@ -298,7 +298,7 @@ class Engine:
                 top_k = self.tree_width if self.tree_size else 0
                 self.draft_step = StaticDraftStep(drafter, self.draft_cache, embed=target.embed, head=self.draft_head, num_drafts=self.draft_len, block_len=self.draft_block_len, top_k=top_k, **compile_args)
                 if self.draft_step.use_graphs:  # the CPU keeps the eager append: it projects only the n rows
-                    self.append_step = StaticAppendStep(drafter, self.draft_cache, rows=self.draft_len + 1)
+                    self.append_step = StaticAppendStep(drafter, self.draft_cache, rows=self.draft_len + 1, **compile_args)
         # prefetch_draft (with a graphed drafter on a GPU): a step ends by launching the next
         # step's draft, so the GPU drafts while the host commits the step's tokens (detokenise,
         # stops, stream) instead of waiting for it; the next step takes that draft when it is

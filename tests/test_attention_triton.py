@@ -197,3 +197,44 @@ def test_on_a_gpu_the_engine_through_the_kernel_equals_the_torch_path(tiny_check
     assert Engine(target, drafter=drafter, max_len=128).generate(prompt_ids(), greedy()).tokens == expected
     assert Engine(target, drafter=drafter, max_len=128, tree_size=8).generate(prompt_ids(), greedy()).tokens == expected
     assert calls and not kernels._FAILED
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [None, 24])
+def test_a_drafters_draft_through_the_kernel_equals_its_torch_attention(window, monkeypatch):
+    """The drafter's attention (the block's queries over its context window + the block, no
+    causality inside the block) through the kernels gives SDPA's draft logits (float32), with
+    and without a sliding window, eagerly and in the served fixed-shape step, and the kernels ran."""
+    from qfd import kernels
+    from qfd.models.drafter import DFlashDrafter, config_for_target
+    from qfd.models.graphs import StaticDraftStep
+
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    shape = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    cfg = config_for_target(shape, num_layers=2, block_size=8, sliding_window=window, mask_token_id=95)
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).to(KERNEL_DEVICE).eval()
+    embed = torch.nn.Embedding(96, 64).to(KERNEL_DEVICE)
+    head = torch.nn.Linear(64, 96, bias=False).to(KERNEL_DEVICE)
+    cache = drafter.new_cache(80, device=KERNEL_DEVICE)
+    taps = torch.randn(1, 40, len(cfg.target_layer_ids) * 64, device=KERNEL_DEVICE)
+    with torch.no_grad():
+        drafter.append_context(cache, taps, 0)
+
+    def draft_logits():
+        with torch.no_grad():
+            return drafter.draft(cache, torch.tensor([[5]], device=KERNEL_DEVICE), 40, embed, head, return_logits=True)[1]
+
+    calls = []
+    real = attention_triton.split_attention
+    monkeypatch.setattr(attention_triton, "split_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(attention_triton, "SPLIT_KERNEL", False)
+    expected = draft_logits()
+    assert not calls
+    monkeypatch.setattr(attention_triton, "SPLIT_KERNEL", True)
+    torch.testing.assert_close(draft_logits(), expected, rtol=1e-4, atol=1e-4)
+    # the served fixed-shape step (its window gathered from the cache, padding masked)
+    step = StaticDraftStep(drafter, cache, embed=embed, head=head)
+    assert step(5, 40).reshape(-1).tolist() == expected.argmax(-1).reshape(-1).tolist()
+    assert calls and not kernels._FAILED

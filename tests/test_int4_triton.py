@@ -127,13 +127,17 @@ needs_triton = pytest.mark.skipif(
 @pytest.mark.parametrize("rows", [1, 3, 16, 40])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("split_k", [1, 2])
-def test_kernel_matches_the_reference(rows, symmetric, split_k):
+@pytest.mark.parametrize("w_first", [False, True])
+def test_kernel_matches_the_reference(rows, symmetric, split_k, w_first):
+    """Also with the weights as the dot's first operand (rows > 1: y.T = w @ x.T)."""
+    if w_first and rows == 1:
+        pytest.skip("one row takes the CUDA-core path: no dot")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     qw = weight(80, 512, 128, symmetric)
     packed = int4_triton.pack_for_triton(qw, device)
     x = torch.randn(rows, 512, device=device)
     bias = torch.randn(80, device=device)
-    config = int4_triton.KernelConfig(use_dot=rows > 1, block_n=32, split_k=split_k)
+    config = int4_triton.KernelConfig(use_dot=rows > 1, block_n=32, split_k=split_k, w_first=w_first)
     got = int4_triton.int4_matmul(x, packed, bias, config=config)
     torch.testing.assert_close(got, int4_triton.reference_matmul(x, packed, bias), rtol=1e-4, atol=1e-4)
     assert int(packed.counters.abs().sum()) == 0  # split-K leaves its counters at zero for the next launch
@@ -175,7 +179,8 @@ def test_pick_config_reads_the_gpus_tuned_table(tmp_path, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("rows,block_m,group,split_k", [(1, 16, 128, 1), (16, 16, 128, 2), (32, 32, 64, 1), (40, 16, 256, 2)])
-def test_magic_operand_matches_the_exact_operand(dtype, symmetric, rows, block_m, group, split_k):
+@pytest.mark.parametrize("w_first", [False, True])
+def test_magic_operand_matches_the_exact_operand(dtype, symmetric, rows, block_m, group, split_k, w_first):
     """The 16-bit MAGIC + u weight operand with its per-group offset taken off gives the
     product the exact (q - z) operand gives, to the 16-bit output's rounding."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -185,7 +190,7 @@ def test_magic_operand_matches_the_exact_operand(dtype, symmetric, rows, block_m
     packed = int4_triton.pack_for_triton(qw, device, scale_dtype=dtype)
     x = torch.randn(rows, 512, device=device).to(dtype)
     bias = torch.randn(96, device=device).to(dtype)
-    base = int4_triton.KernelConfig(use_dot=True, block_n=32, split_k=split_k, block_m=block_m, magic=False)
+    base = int4_triton.KernelConfig(use_dot=True, block_n=32, split_k=split_k, block_m=block_m, magic=False, w_first=w_first)
     exact = int4_triton.int4_matmul(x, packed, bias, config=base)
     got = int4_triton.int4_matmul(x, packed, bias, config=int4_triton.KernelConfig(**{**vars(base), "magic": True}))
     reference = int4_triton.reference_matmul(x.float(), packed, bias.float())

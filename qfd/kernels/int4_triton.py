@@ -176,14 +176,52 @@ if _HAVE_TRITON:
                 tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next launch
 
     @triton.jit
+    def _along_n(v, W_FIRST: tl.constexpr):
+        """A per-output vector [BN] broadcast against a tile: [BN, 1] when the tile is weights-first
+        ([BN, rows] or [BN, 16]), else [1, BN]."""
+        if W_FIRST:
+            return v[:, None]
+        else:
+            return v[None, :]
+
+    @triton.jit
+    def _along_m(v, W_FIRST: tl.constexpr):
+        """A per-row vector [BM] broadcast against the accumulator (the transpose of `_along_n`)."""
+        if W_FIRST:
+            return v[None, :]
+        else:
+            return v[:, None]
+
+    @triton.jit
+    def _dot_slice(w, xj, acc, W_FIRST: tl.constexpr, DOT_IEEE: tl.constexpr):
+        """One 16-wide K slice on the tensor cores, + acc (None: a new sum): w [BN, 16] @ xj
+        [16, BM] weights-first, else xj [BM, 16] @ w [16, BN]."""
+        if W_FIRST:
+            a = w
+            b = xj
+        else:
+            a = xj
+            b = w
+        if DOT_IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
     def _int4_mm_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, KT, stride_xm, stride_ym,
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
-        DOT_IEEE: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr, PDL: tl.constexpr,
+        DOT_IEEE: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr, PDL: tl.constexpr, W_FIRST: tl.constexpr,
     ):
         """One program: rows [BM*pid_m, +BM) x outputs [BN*pid_n, +BN) x K tiles of split pid_k.
+
+        W_FIRST (tensor-core path): the weights are the dot's first operand - the transposed
+        product y.T [BN, BM] = w [BN, 16] @ x.T [16, BM] per K slice - so the MMA's M is BN
+        (>= 64: Hopper's warpgroup MMA, which takes its first operand from registers, where the
+        dequantized weights already are) and the few rows are its N; the tile is transposed
+        once, at the end. Otherwise x [BM, 16] @ w [16, BN], the weights as the second operand.
 
         MAGIC_BITS > 0 (tensor-core path, x bf16 / fp16): the dot's weight operand is built in
         x's 16-bit format straight from the nibble - u | MAGIC_BITS is MAGIC + u exactly (bf16
@@ -203,14 +241,18 @@ if _HAVE_TRITON:
         t1 = tl.minimum(t0 + tiles_per, KT)
         x_dtype = x_ptr.dtype.element_ty
 
-        if USE_DOT:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if W_FIRST:
+            acc = tl.zeros((BN, BM), dtype=tl.float32)  # y.T
             xg = tl.zeros((BM,), dtype=tl.float32)  # MAGIC_BITS: the group's sum of x per row
+        elif USE_DOT:
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            xg = tl.zeros((BM,), dtype=tl.float32)
         else:
             acc = tl.zeros((16, BN), dtype=tl.float32)  # reduced over its 16 rows at the end
-        q_rows = q_ptr + offs_p[:, None] * N + offs_n[None, :]
-        q_mask = (offs_p[:, None] < 16) & n_mask[None, :]  # [16, BN], the full shape of a tile load
-        zero_p = offs_p[:, None] * 0  # tile indices as [16, 1] tensors: a scalar compare in a mask trips Triton's interpreter
+        # a tile's 16 packed rows: [16, BN], or [BN, 16] weights-first (still coalesced along N)
+        q_rows = q_ptr + _along_m(offs_p, W_FIRST) * N + _along_n(offs_n, W_FIRST)
+        q_mask = (_along_m(offs_p, W_FIRST) < 16) & _along_n(n_mask, W_FIRST)  # the full shape of a tile load
+        zero_p = _along_m(offs_p, W_FIRST) * 0  # tile indices as tensors: a scalar compare in a mask trips Triton's interpreter
         p_next = tl.load(q_rows + t0 * 16 * N, mask=q_mask & (zero_p + t0 < t1), other=0)
         if PDL:  # the weights above are constant: only x (and any store) waits for the kernel before
             tl.extra.cuda.gdc_wait()
@@ -229,35 +271,33 @@ if _HAVE_TRITON:
                     else:
                         c = tl.full((BN,), 8.0, tl.float32) + offset
                 offs_k = k0 + offs_p
+                if USE_DOT:  # x's slice: [BM, 16], or [16, BM] (x.T) weights-first
+                    xj = tl.load(x_ptr + _along_m(offs_m, W_FIRST) * stride_xm + _along_n(offs_k, W_FIRST),
+                                 mask=_along_m(m_mask, W_FIRST) & _along_n(offs_k < K, W_FIRST), other=0.0)
                 if MAGIC_BITS > 0:
-                    w = (((p_cur >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.int16).to(x_dtype, bitcast=True)  # [16, BN] MAGIC + u
-                    xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-                    xs = tl.sum(xj.to(tl.float32), axis=1)
+                    w = (((p_cur >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.int16).to(x_dtype, bitcast=True)  # MAGIC + u
+                    if W_FIRST:
+                        xs = tl.sum(xj.to(tl.float32), axis=0)
+                    else:
+                        xs = tl.sum(xj.to(tl.float32), axis=1)
                     if (j * 16) % GROUP == 0:
-                        part = tl.dot(xj, w)
+                        part = _dot_slice(w, xj, None, W_FIRST, False)
                         xg = xs
                     else:
-                        part = tl.dot(xj, w, part)
+                        part = _dot_slice(w, xj, part, W_FIRST, False)
                         xg += xs
                     if ((j + 1) * 16) % GROUP == 0 or j == 7:  # group (or tile) ends: offset off, scale
-                        acc += (part - xg[:, None] * c[None, :]) * s[None, :]
+                        acc += (part - _along_m(xg, W_FIRST) * _along_n(c, W_FIRST)) * _along_n(s, W_FIRST)
                 else:
                     bits = ((p_cur >> (4 * j)) & 0xF) | 0x4B000000
-                    w = bits.to(tl.float32, bitcast=True) - c[None, :]  # [16, BN] exact q - z
+                    w = bits.to(tl.float32, bitcast=True) - _along_n(c, W_FIRST)  # exact q - z
                     if USE_DOT:
-                        xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
                         if (j * 16) % GROUP == 0:
-                            if DOT_IEEE:
-                                part = tl.dot(xj, w.to(x_dtype), input_precision="ieee")
-                            else:
-                                part = tl.dot(xj, w.to(x_dtype))
+                            part = _dot_slice(w.to(x_dtype), xj, None, W_FIRST, DOT_IEEE)
                         else:
-                            if DOT_IEEE:
-                                part = tl.dot(xj, w.to(x_dtype), part, input_precision="ieee")
-                            else:
-                                part = tl.dot(xj, w.to(x_dtype), part)
+                            part = _dot_slice(w.to(x_dtype), xj, part, W_FIRST, DOT_IEEE)
                         if ((j + 1) * 16) % GROUP == 0 or j == 7:  # group (or tile) ends: scale it
-                            acc += part * s[None, :]
+                            acc += part * _along_n(s, W_FIRST)
                     else:
                         xj = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
                         if (j * 16) % GROUP == 0:
@@ -270,7 +310,10 @@ if _HAVE_TRITON:
         if PDL:  # the next kernel may start its own weight loads now
             tl.extra.cuda.gdc_launch_dependents()
         if USE_DOT:
-            out = acc
+            if W_FIRST:
+                out = tl.trans(acc)
+            else:
+                out = acc
             out_m = offs_m
             out_mask = m_mask[:, None] & n_mask[None, :]
         else:
@@ -382,6 +425,7 @@ class KernelConfig:
     offset_sum: bool = False
     magic: bool | None = None  # tensor-core path, 16-bit x: the MAGIC_BITS operand (None: MAGIC_DOT)
     pdl: bool | None = None  # programmatic dependent launch on Hopper and later (None: PDL_LAUNCH)
+    w_first: bool | None = None  # tensor-core path: weights as the dot's first operand (None: W_FIRST_DOT)
 
 
 # The tensor-core path's weight operand built straight in 16 bits (`_int4_mm_kernel`'s
@@ -400,6 +444,12 @@ _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # b
 # `gdc_wait` (weights are constants; x and every store come after it) - which hides part of the
 # ~5 us a call costs whatever its size (docs/benchmarks.md, 2026-12-06: 128 calls per decode).
 PDL_LAUNCH = os.environ.get("QFD_INT4_PDL", "0") == "1"
+# The tensor-core path with the weights as the dot's first operand (`_int4_mm_kernel`'s W_FIRST:
+# y.T = w @ x.T, the MMA's M the outputs, its N the 2-32 rows): QFD_INT4_WFIRST=1, opt-in until
+# timed on a GPU. Why: a 16-row product streams its weights at ~1.1 TB/s against cuBLAS's ~3
+# (docs/benchmarks.md 2026-12-06), and Hopper's warpgroup MMA takes only its first operand from
+# registers - the weights-second form makes every dequantized slice round-trip shared memory.
+W_FIRST_DOT = os.environ.get("QFD_INT4_WFIRST", "0") == "1"
 
 
 def _pdl(cfg: KernelConfig, x: torch.Tensor) -> bool:
@@ -495,13 +545,14 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
     magic = cfg.use_dot and (MAGIC_DOT if cfg.magic is None else cfg.magic) and x.dtype in _MAGIC
     magic_bits, magic_value = _MAGIC[x.dtype] if magic else (0, 0.0)
     pdl = _pdl(cfg, x)
+    w_first = cfg.use_dot and (W_FIRST_DOT if cfg.w_first is None else cfg.w_first)
     _int4_mm_kernel[(grid_n, split, grid_m)](
         x2, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
         bias if bias is not None else packed.scales, y, ws, packed.counters,
         m, n, k, packed.qweight.shape[0] // 16, x2.stride(0), y.stride(0),
         GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
         BM=bm, BN=cfg.block_n, SPLIT_K=split, USE_DOT=cfg.use_dot, DOT_IEEE=x.dtype == torch.float32,
-        MAGIC_BITS=magic_bits, MAGIC=magic_value, PDL=pdl,
+        MAGIC_BITS=magic_bits, MAGIC=magic_value, PDL=pdl, W_FIRST=w_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return y.reshape(*lead, n)

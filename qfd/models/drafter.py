@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qfd.drafter_losses import block_attention_mask, context_window_start, per_block_attention_mask
+from qfd.kernels import attention_triton
 from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
 
 
@@ -197,11 +198,20 @@ class DrafterAttention(nn.Module):
         k_blk, v_blk = self.project_kv(x, positions)
         k = torch.cat([k_ctx.to(k_blk.dtype), k_blk], dim=2)
         v = torch.cat([v_ctx.to(v_blk.dtype), v_blk], dim=2)
-        groups = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if (mask is None or mask.dim() == 2) and not torch.is_grad_enabled() and attention_triton.takes(q):
+            # A draft on the GPU: the target steps' split-KV kernels. SDPA runs one program per
+            # head over all C keys (16 programs on a 132-SM GPU: at a 1K window ~75 us a layer,
+            # docs/benchmarks.md 2026-12-06) after copying K/V per query head; these split the
+            # keys over the SMs and read each kv head once for its query heads.
+            if mask is None:  # all visible
+                mask = torch.ones(q_len, k.shape[2], dtype=torch.bool, device=q.device)
+            out = attention_triton.split_attention(q, k, v, mask)
+        else:
+            groups = self.cfg.num_attention_heads // self.cfg.num_key_value_heads
+            if groups > 1:
+                k = k.repeat_interleave(groups, dim=1)
+                v = v.repeat_interleave(groups, dim=1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -351,11 +361,12 @@ class DFlashDrafter(nn.Module):
     def write_context(self, cache: DrafterCache, taps: torch.Tensor, positions: torch.Tensor) -> None:
         """Context K/V of `taps` [batch, n, k*H] into every layer's cache at `positions` [n]
         (a tensor: the fixed-shape append passes a device tensor, nothing Python-side)."""
+        store_context_kv(cache, self.context_kv(taps, positions), positions)
+
+    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's context (k, v) [batch, kv, n, d] of `taps` at `positions` [n], not stored."""
         ctx = self.fuse(taps)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.project_kv(ctx, positions.view(1, -1))
-            cache.k[i].index_copy_(2, positions, k.to(cache.k.dtype))
-            cache.v[i].index_copy_(2, positions, v.to(cache.v.dtype))
+        return [layer.self_attn.project_kv(ctx, positions.view(1, -1)) for layer in self.layers]
 
     @torch.no_grad()
     def draft(self, cache: DrafterCache, first_token, start_pos: int, embed: Callable, head: Callable, return_logits: bool = False, num_drafts: int | None = None, block_len: int | None = None):
@@ -406,6 +417,13 @@ class DFlashDrafter(nn.Module):
         if not 2 <= n <= self.block_size or not 1 <= k <= n - 1:
             raise ValueError(f"need 2 <= block_len <= {self.block_size} and 1 <= num_drafts <= block_len - 1 (got {block_len}, {num_drafts})")
         return n, k
+
+
+def store_context_kv(cache: DrafterCache, kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor) -> None:
+    """Write `DFlashDrafter.context_kv`'s per-layer (k, v) into the cache at `positions`."""
+    for i, (k, v) in enumerate(kv):
+        cache.k[i].index_copy_(2, positions, k.to(cache.k.dtype))
+        cache.v[i].index_copy_(2, positions, v.to(cache.v.dtype))
 
 
 def num_parameters(drafter: DFlashDrafter) -> int:

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from qfd.models.drafter import store_context_kv
 from qfd.models.target import TargetOutput
 
 
@@ -267,7 +268,7 @@ class StaticAppendStep:
     positions < p) and the next append overwrites. Without room for `rows` positions (the end
     of the cache) it falls back to the eager append."""
 
-    def __init__(self, drafter, cache, rows: int, use_graphs: bool | None = None):
+    def __init__(self, drafter, cache, rows: int, use_graphs: bool | None = None, compile: bool = False, compile_backend: str | Callable = "inductor"):
         self.drafter, self.cache, self.rows = drafter, cache, int(rows)
         cfg = drafter.cfg
         device = cache.k.device
@@ -277,11 +278,19 @@ class StaticAppendStep:
         self.start = torch.zeros((), dtype=torch.long, device=device)
         self.offsets = torch.arange(self.rows, device=device)
         self.graph = None
+        # compiled: the projections' ~20 small kernels per layer (norms, RoPE) fused, which a
+        # graph replays but still runs one by one (~0.4 ms an append at Qwen3.5-4B shape, H100).
+        # The cache writes stay outside the compiled code: mutating the cache there made inductor
+        # copy the whole cache per append (0.83 ms at an 8K context, docs/benchmarks.md 2026-12-06).
+        self.project_fn = compile_step(self._project, compile_backend) if compile else self._project
         if self.use_graphs:  # warm-up and capture write positions 0.. of an empty cache: nothing valid yet
             self.graph, _ = capture(self._forward)
 
+    def _project(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.drafter.context_kv(self.taps, self.start + self.offsets)
+
     def _forward(self) -> None:
-        self.drafter.write_context(self.cache, self.taps, self.start + self.offsets)
+        store_context_kv(self.cache, self.project_fn(), self.start + self.offsets)
 
     @torch.inference_mode()
     def __call__(self, taps: torch.Tensor, start_pos: int) -> None:
