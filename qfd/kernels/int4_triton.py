@@ -439,16 +439,19 @@ MAGIC_DOT = os.environ.get("QFD_INT4_MAGIC", "0") == "1"
 # (H100, docs/benchmarks.md 2026-12-05 ninth session); QFD_INT4_BM32=0 for the old blocks.
 BLOCK_M_32 = os.environ.get("QFD_INT4_BM32", "1") == "1"
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # bit pattern of MAGIC, MAGIC
-# Programmatic dependent launch (Hopper and later; QFD_INT4_PDL=1, opt-in until timed on a GPU):
-# the kernel may start while the one before it finishes - its first weight tile loads before
-# `gdc_wait` (weights are constants; x and every store come after it) - which hides part of the
-# ~5 us a call costs whatever its size (docs/benchmarks.md, 2026-12-06: 128 calls per decode).
+# Programmatic dependent launch (Hopper and later; QFD_INT4_PDL=1): the kernel may start while
+# the one before it finishes - its first weight tile loads before `gdc_wait` (weights are
+# constants; x and every store come after it). Measured (H100, docs/benchmarks.md 2026-12-06
+# fourteenth session): 1.01-1.04x for a chain of INT4 products alone, but 7-10% slower steps -
+# in a model the kernel before a product is a norm or a GDN/attention kernel, whose SMs the
+# early-launched programs occupy while they wait. So it stays off.
 PDL_LAUNCH = os.environ.get("QFD_INT4_PDL", "0") == "1"
 # The tensor-core path with the weights as the dot's first operand (`_int4_mm_kernel`'s W_FIRST:
-# y.T = w @ x.T, the MMA's M the outputs, its N the 2-32 rows): QFD_INT4_WFIRST=1, opt-in until
-# timed on a GPU. Why: a 16-row product streams its weights at ~1.1 TB/s against cuBLAS's ~3
-# (docs/benchmarks.md 2026-12-06), and Hopper's warpgroup MMA takes only its first operand from
-# registers - the weights-second form makes every dequantized slice round-trip shared memory.
+# y.T = w @ x.T, the MMA's M the outputs, its N the 2-32 rows): QFD_INT4_WFIRST=1. Tried because
+# a 16-row product streams its weights at ~1.1 TB/s against cuBLAS's ~3 and Hopper's warpgroup
+# MMA takes only its first operand from registers. Measured (H100, docs/benchmarks.md 2026-12-06
+# fourteenth session): 0.95x at 16 rows, 1.06x at 32 (kernel level only) - the orientation is not
+# the bottleneck, so it stays off.
 W_FIRST_DOT = os.environ.get("QFD_INT4_WFIRST", "0") == "1"
 
 
