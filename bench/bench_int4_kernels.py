@@ -18,8 +18,10 @@ gate+up, GDN qkv+z+b+a, attention q+k+v), the drafter's own and the 248K-row LM 
     python bench/bench_int4_kernels.py --ab [--rows 1,16,32]   # the served config vs its variants
 
 --ab times, per shape and row count, the config Int4Linear serves against the same launch with
-the 16-bit MAGIC + u weight operand (KernelConfig.magic), the tensor-core path for one row, and
-for more than 16 rows one 32-row block instead of two 16-row ones (each dequantizes the weight).
+the 16-bit MAGIC + u weight operand (KernelConfig.magic), the weights as the dot's first
+operand (KernelConfig.w_first, also with the magic operand and with 8 warps), programmatic
+dependent launch on Hopper (KernelConfig.pdl), the tensor-core path for one row, and for more
+than 16 rows one 32-row block instead of two 16-row ones (each dequantizes the weight).
 
 Needs CUDA (and Triton for the Triton rows).
 """
