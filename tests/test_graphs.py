@@ -92,14 +92,17 @@ def _tiny_drafter(tiny_checkpoints, **kwargs):
     return model, DFlashDrafter(cfg).eval()
 
 
-def test_static_append_step_matches_append_context(tiny_checkpoints):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_static_append_step_matches_append_context(tiny_checkpoints, compiled):
     """The fixed-size append (all `rows` tap rows written, the length counting n) leaves the
     same valid context as the eager append, whatever stale rows it also wrote, and the drafts
-    read from it are the same; past the cache's room it falls back to the eager append."""
+    read from it are the same; past the cache's room it falls back to the eager append. Also
+    with its projections torch.compile'd (aot_eager: the same graph capture and guards, no
+    codegen), the cache writes outside them."""
     model, drafter = _tiny_drafter(tiny_checkpoints)
     rows, width = 5, 2 * drafter.cfg.hidden_size
     eager, fixed = drafter.new_cache(40), drafter.new_cache(40)
-    step = StaticAppendStep(drafter, fixed, rows=rows, use_graphs=False)
+    step = StaticAppendStep(drafter, fixed, rows=rows, use_graphs=False, compile=compiled, compile_backend="aot_eager")
     torch.manual_seed(3)
     with torch.inference_mode():
         prompt = torch.randn(1, 6, width)
