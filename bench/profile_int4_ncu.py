@@ -1,0 +1,46 @@
+"""A target for NVIDIA Nsight Compute: one 16-row and one 1-row INT4 product at the fused MLP
+gate/up shape (18432 x 2560, group 128), each launched three times (compile, then two clean
+launches), with the launch config served printed. Answers whether the 16-row kernel is bound by
+memory or by instruction issue (docs/benchmarks.md, 2026-12-06: it streams at ~1.1 TB/s).
+
+    ncu -k regex:_int4 --section SpeedOfLight --section InstructionStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section Occupancy python3 bench/profile_int4_ncu.py [--n 18432 --k 2560]
+
+Needs CUDA and Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from qfd.kernels import int4_triton  # noqa: E402
+from qfd.quant.grid import rtn_quantize  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--n", type=int, default=18432)
+    p.add_argument("--k", type=int, default=2560)
+    p.add_argument("--rows", default="16,1", help="comma-separated row counts, profiled in this order")
+    args = p.parse_args()
+    if not (torch.cuda.is_available() and int4_triton.available()):
+        sys.exit("profile_int4_ncu.py needs CUDA and Triton")
+    torch.manual_seed(0)
+    qw = rtn_quantize(torch.randn(args.n, args.k, device="cuda") * 0.02, 128, scale_dtype=torch.bfloat16)
+    packed = int4_triton.pack_for_triton(qw, "cuda", scale_dtype=torch.bfloat16)
+    for m in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            int4_triton.int4_matmul(x, packed)
+        torch.cuda.synchronize()
+        print(f"rows={m}: {int4_triton.pick_config(m, args.n, args.k, x.device)}")
+
+
+if __name__ == "__main__":
+    main()
