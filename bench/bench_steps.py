@@ -297,11 +297,11 @@ def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, n
     `compile_append` (None: as the draft) whether the append is compiled too."""
     out = {} if out is None else out
     rows = (num_drafts or block - 1) + 1
-    variants = variants or [("bf16", None, compile_steps, None), ("int4", None, compile_steps, None), ("int4", 1024, compile_steps, None), ("bf16", 1024, compile_steps, None)]
-    if compile_final and not compile_steps and len(variants) == 4:
-        variants.insert(3, ("int4", 1024, True, None))
-    if vocab_head is not None:
-        variants.insert(4 if compile_final and not compile_steps else 3, ("int4", 1024, compile_steps or compile_final, vocab_head))
+    if variants is None:  # the ledger's drafters in its order, then bf16 with a window
+        final = [("int4", 1024, True, None)] if compile_final and not compile_steps else []
+        vocab = [("int4", 1024, compile_steps or compile_final, vocab_head)] if vocab_head is not None else []
+        variants = [("bf16", None, compile_steps, None), ("int4", None, compile_steps, None), ("int4", 1024, compile_steps, None),
+                    *final, *vocab, ("bf16", 1024, compile_steps, None)]
     for precision, window, compiled, vocab in variants:
         cfg = config_for_target(shape, num_layers=5, block_size=block, sliding_window=window, mask_token_id=shape["vocab_size"] - 1)
         torch.manual_seed(0)
@@ -352,9 +352,9 @@ LEDGER = (
 
 
 def drafter_ab(shape, embed, head, device, dtype, block, measure, contexts, compile_steps, num_drafts, group_size, kernel, fuse, out, on_update) -> dict:
-    """The ledger's last drafter (INT4, W = 1024) before and after this session's two drafter
-    changes, side by side: its attention in torch (SDPA after a K/V copy per query head) with the
-    append graphed, uncompiled - against the split-KV kernels with the append compiled too."""
+    """The ledger's last drafter (INT4, W = 1024) before and after the two drafter changes of
+    2026-12-06, side by side: its attention in torch (SDPA after a K/V copy per query head) with
+    the append graphed, uncompiled - against the split-KV kernels with the append compiled too."""
     for name, split, compile_append in (("before", False, False), ("after", True, compile_steps)):
         attention_triton.SPLIT_KERNEL = split
         out[name] = drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, num_drafts=num_drafts, compile_steps=compile_steps, group_size=group_size, kernel=kernel,

@@ -162,6 +162,7 @@ def test_one_row_gemv_kernel_matches_the_reference(symmetric, offset_sum, k, gro
 def test_pick_config_reads_the_gpus_tuned_table(tmp_path, monkeypatch):
     monkeypatch.setattr(int4_triton, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(int4_triton, "_current_device_name", lambda index: "NVIDIA Test GPU")
+    int4_triton.tuned_configs.cache_clear()
     entry = {"m": 1, "n": 512, "k": 256, "us": 3.0, "use_dot": False, "block_n": 128, "split_k": 2, "num_warps": 8, "num_stages": 3, "tiles": 2, "offset_sum": True}
     int4_triton.tuned_file("NVIDIA Test GPU").write_text(__import__("json").dumps({"device": "NVIDIA Test GPU", "configs": [entry]}))
     cuda = torch.device("cuda", 0)

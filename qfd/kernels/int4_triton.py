@@ -243,12 +243,11 @@ if _HAVE_TRITON:
 
         if W_FIRST:
             acc = tl.zeros((BN, BM), dtype=tl.float32)  # y.T
-            xg = tl.zeros((BM,), dtype=tl.float32)  # MAGIC_BITS: the group's sum of x per row
         elif USE_DOT:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-            xg = tl.zeros((BM,), dtype=tl.float32)
         else:
             acc = tl.zeros((16, BN), dtype=tl.float32)  # reduced over its 16 rows at the end
+        xg = tl.zeros((BM,), dtype=tl.float32)  # MAGIC_BITS: the group's sum of x per row
         # a tile's 16 packed rows: [16, BN], or [BN, 16] weights-first (still coalesced along N)
         q_rows = q_ptr + _along_m(offs_p, W_FIRST) * N + _along_n(offs_n, W_FIRST)
         q_mask = (_along_m(offs_p, W_FIRST) < 16) & _along_n(n_mask, W_FIRST)  # the full shape of a tile load
