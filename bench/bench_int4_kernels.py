@@ -20,7 +20,8 @@ gate+up, GDN qkv+z+b+a, attention q+k+v), the drafter's own and the 248K-row LM 
 --ab times, per shape and row count, the config Int4Linear serves against the same launch with
 the 16-bit MAGIC + u weight operand (KernelConfig.magic), the weights as the dot's first
 operand (KernelConfig.w_first, also with the magic operand and with 8 warps), one K = 128 dot
-per packed tile (KernelConfig.tile_dot, also with 8 warps and with 3 stages), programmatic
+per packed tile (KernelConfig.tile_dot, also with 8 warps and with 3 stages), `_int4_mma_kernel`
+(KernelConfig.mma16: pipelined loads, the weight built in 16 bits; also for one row), programmatic
 dependent launch on Hopper (KernelConfig.pdl), the tensor-core path for one row, and for more
 than 16 rows one 32-row block instead of two 16-row ones (each dequantizes the weight).
 
@@ -123,9 +124,11 @@ def main() -> None:
                    help="with --sweep: write each shape's best config as the GPU's tuned table, which Int4Linear's "
                         "Triton kernel then uses (default PATH: qfd/kernels/tuned/<GPU name>.json)")
     p.add_argument("--ab-knobs", type=Path, default=None, metavar="JSON", help="print the shell exports (QFD_INT4_MAGIC, QFD_INT4_BM32) of the variants that won in a saved --ab run, and exit")
+    p.add_argument("--ab-only", default="", metavar="LABELS", help="with --ab: time only these comma-separated variants beside the served config (e.g. mma16,mma16 s3)")
     p.add_argument("--ab", action="store_true", help="the served config against its variants (magic operand, dot for one row, 32-row blocks), side by side")
     p.add_argument("--out", type=Path, default=Path("int4_kernels.json"))
     args = p.parse_args()
+    ab_only = {label.strip() for label in args.ab_only.split(",") if label.strip()}
     if args.ab_knobs:
         print(" ".join(f"export {key}={value};" for key, value in ab_knobs(json.loads(args.ab_knobs.read_text())["rows"]).items()))
         return
@@ -176,7 +179,7 @@ def main() -> None:
             row["triton_us"] = timed(None, "triton_rel_err")
             row["triton_config"] = vars(int4_triton.pick_config(m, n, k))
             if args.ab:
-                row["variants"] = {label: {"us": timed(cfg, "rel_err"), "rel_err": row.pop("rel_err", None), **vars(cfg)} for label, cfg in ab_variants(m, n, k)}
+                row["variants"] = {label: {"us": timed(cfg, "rel_err"), "rel_err": row.pop("rel_err", None), **vars(cfg)} for label, cfg in ab_variants(m, n, k) if label == "served" or not ab_only or label in ab_only}
             if args.sweep:
                 best = None
                 for cfg in sweep_configs(m, args.sweep_grid):
@@ -258,6 +261,11 @@ def ab_variants(m: int, n: int, k: int):
         yield "wfirst", replace(served, w_first=True, magic=False)
         yield "wfirst+magic", replace(served, w_first=True, magic=True)
         yield "wfirst w8", replace(served, w_first=True, magic=False, num_warps=8)
+        # pipelined loads and the weight built exactly in 16 bits (QFD_INT4_MMA16=1), also with
+        # 3 stages and with 64 outputs a program
+        yield "mma16", replace(served, mma16=True)
+        yield "mma16 s3", replace(served, mma16=True, num_stages=3)
+        yield "mma16 bn64", replace(served, mma16=True, block_n=64)
         # one K = 128 dot per tile (QFD_INT4_TILEDOT=1), also with 8 warps and 3 stages
         yield "tile", replace(served, tile_dot=True, magic=False, w_first=False)
         yield "tile w8", replace(served, tile_dot=True, magic=False, w_first=False, num_warps=8)
@@ -266,6 +274,7 @@ def ab_variants(m: int, n: int, k: int):
         dot = int4_triton.heuristic_config(16, n, k)
         yield "dot", replace(dot, magic=False)
         yield "dot+magic", replace(dot, magic=True)
+        yield "dot+mma16", replace(dot, mma16=True)
     if 16 < m <= 32:  # one block of 32 rows: the weight dequantized once, not twice
         yield "bm32", replace(served, block_m=32, magic=False)
         yield "bm32+magic", replace(served, block_m=32, magic=True)

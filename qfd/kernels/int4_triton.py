@@ -349,6 +349,65 @@ if _HAVE_TRITON:
 if _HAVE_TRITON:
 
     @triton.jit
+    def _int4_mma_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+        M, N, K, KT, stride_xm, stride_ym,
+        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,
+    ):
+        """The tensor-core path for 16-bit x (bf16 / fp16), in two changes from `_int4_mm_kernel`
+        read off its SASS (sm_90, compiled offline):
+        - each K tile's packed words are loaded inside the loop, so Triton's pipeliner stages them
+          through shared memory (cp.async) and reads them back already in the MMA operand's
+          register layout: the dequantized operand needs no shared-memory round trip and barrier
+          per 16-wide slice (the hand-prefetched form had 18 barriers per tile, this one 3);
+        - the weight is built exactly in x's 16-bit format: u | MAGIC_BITS is MAGIC + u (bf16
+          0x4300 = 128, fp16 0x6400 = 1024, integers exact there), minus MAGIC + z in the same
+          format is q - z exactly, two weights per paired subtract - no fp32 subtract and no
+          fp32 -> 16-bit conversion per weight (~3.9 instructions per weight against ~5.6).
+        Group scales multiply each group's fp32 partial sum, as in `_int4_mm_kernel`."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        m_mask = offs_m < M
+        offs_p = tl.arange(0, 16)
+        tiles_per = tl.cdiv(KT, SPLIT_K)
+        t0 = pid_k * tiles_per
+        t1 = tl.minimum(t0 + tiles_per, KT)
+        x_dtype = x_ptr.dtype.element_ty
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        q_rows = q_ptr + offs_p[:, None] * N + offs_n[None, :]
+        q_mask = (offs_p[:, None] < 16) & n_mask[None, :]
+        for t in range(t0, t1):
+            words = tl.load(q_rows + t * 16 * N, mask=q_mask, other=0)
+            for j in tl.static_range(8):
+                k0 = t * 128 + j * 16
+                if (j * 16) % GROUP == 0:  # a new group starts at this K slice: its scale, its MAGIC + z
+                    g = k0 // GROUP
+                    s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+                    if HAS_ZEROS:
+                        c = (tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + MAGIC).to(x_dtype)
+                    else:
+                        c = tl.full((BN,), MAGIC + 8.0, x_dtype)
+                offs_k = k0 + offs_p
+                xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+                w = (((words >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.int16).to(x_dtype, bitcast=True) - c[None, :]  # exact q - z
+                if (j * 16) % GROUP == 0:
+                    part = tl.dot(xj, w)
+                else:
+                    part = tl.dot(xj, w, part)
+                if ((j + 1) * 16) % GROUP == 0 or j == 7:  # group (or tile) ends: scale it
+                    acc += part * s[None, :]
+        _write_out(acc, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, stride_ym, M, N,
+                   pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
+
+
+if _HAVE_TRITON:
+
+    @triton.jit
     def _int4_gemv_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         N, K, KT,
@@ -448,6 +507,7 @@ class KernelConfig:
     pdl: bool | None = None  # programmatic dependent launch on Hopper and later (None: PDL_LAUNCH)
     w_first: bool | None = None  # tensor-core path: weights as the dot's first operand (None: W_FIRST_DOT)
     tile_dot: bool | None = None  # tensor-core path, group % 128 == 0: one K = 128 dot per tile (None: TILE_DOT)
+    mma16: bool | None = None  # tensor-core path, 16-bit x: `_int4_mma_kernel` (None: MMA16)
 
 
 # The tensor-core path's weight operand built straight in 16 bits (`_int4_mm_kernel`'s
@@ -478,6 +538,10 @@ W_FIRST_DOT = os.environ.get("QFD_INT4_WFIRST", "0") == "1"
 # The tensor-core path with one K = 128 dot per packed tile (`_int4_mm_kernel`'s TILE_DOT) instead
 # of eight K = 16 dots: QFD_INT4_TILEDOT=1. Untimed; for bench_int4_kernels.py --ab.
 TILE_DOT = os.environ.get("QFD_INT4_TILEDOT", "0") == "1"
+# The tensor-core path through `_int4_mma_kernel` (pipelined loads, the weight built exactly in
+# x's 16-bit format) for 16-bit x: QFD_INT4_MMA16=1. Read off the offline SASS (fewer
+# instructions and registers per weight, no per-slice barrier); untimed on a GPU, so off.
+MMA16 = os.environ.get("QFD_INT4_MMA16", "0") == "1"
 
 
 def _pdl(cfg: KernelConfig, x: torch.Tensor) -> bool:
@@ -570,6 +634,17 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
     if grid_n * grid_m > packed.counters.numel():
         split = 1
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    if cfg.use_dot and (MMA16 if cfg.mma16 is None else cfg.mma16) and x.dtype in _MAGIC:
+        magic_bits, magic_value = _MAGIC[x.dtype]
+        _int4_mma_kernel[(grid_n, split, grid_m)](
+            x2, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
+            bias if bias is not None else packed.scales, y, ws, packed.counters,
+            m, n, k, packed.qweight.shape[0] // 16, x2.stride(0), y.stride(0),
+            GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
+            BM=bm, BN=cfg.block_n, SPLIT_K=split, MAGIC_BITS=magic_bits, MAGIC=magic_value,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return y.reshape(*lead, n)
     magic = cfg.use_dot and (MAGIC_DOT if cfg.magic is None else cfg.magic) and x.dtype in _MAGIC
     magic_bits, magic_value = _MAGIC[x.dtype] if magic else (0, 0.0)
     pdl = _pdl(cfg, x)
