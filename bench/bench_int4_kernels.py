@@ -283,7 +283,9 @@ def ab_variants(m: int, n: int, k: int):
 def ab_knobs(rows: list[dict], margin: float = 0.97) -> dict[str, int]:
     """The INT4 variants an --ab run says to serve with, as environment settings: the magic
     operand when its summed time over the 16- and 32-row products is under `margin` x the
-    exact operand's; 32-row blocks when, with that operand, they beat two 16-row blocks."""
+    exact operand's; 32-row blocks when, with that operand, they beat two 16-row blocks;
+    `_int4_mma_kernel` (it takes precedence over both) when its sum is under `margin` x the
+    served one's."""
     def total(m, label):
         entries = [r["variants"] for r in rows if r["m"] == m and "variants" in r]
         return sum(e[label]["us"] for e in entries) if entries and all(label in e for e in entries) else None
@@ -293,7 +295,9 @@ def ab_knobs(rows: list[dict], margin: float = 0.97) -> dict[str, int]:
     use_magic = bool(served and magic and magic < margin * served)
     plain, wide = (total(32, "magic"), total(32, "bm32+magic")) if use_magic else (total(32, "served"), total(32, "bm32"))
     use_bm32 = bool(plain and wide and wide < margin * plain)
-    return {"QFD_INT4_MAGIC": int(use_magic), "QFD_INT4_BM32": int(use_bm32)}
+    timed = [m for m in (16, 32) if total(m, "mma16") is not None]  # like for like: the row counts it ran at
+    use_mma16 = bool(timed) and sum(total(m, "mma16") for m in timed) < margin * sum(total(m, "served") for m in timed)
+    return {"QFD_INT4_MAGIC": int(use_magic), "QFD_INT4_BM32": int(use_bm32), "QFD_INT4_MMA16": int(use_mma16)}
 
 
 def ab_table(rows: list[dict]) -> None:

@@ -20,7 +20,7 @@
 #              beside flash-linear-attention's where installed (bench/profile_prefill.py; PREFILL_FLAGS, e.g. --int4)
 #   INT4_AB=1  then: the INT4 matmul's variants side by side (bench_int4_kernels.py --ab on the fused
 #              and drafter shapes, 1/16/32 rows); the steps below run with the variants that won
-#              (QFD_INT4_MAGIC / QFD_INT4_BM32, printed)
+#              (QFD_INT4_MAGIC / QFD_INT4_BM32 / QFD_INT4_MMA16, printed)
 export PYTHONPATH=${QFD_SRC:-$PWD}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader

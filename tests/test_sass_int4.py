@@ -1,0 +1,63 @@
+"""bench/sass_int4.py's SASS reading (pure Python; compiling needs triton, skipped without it)
+and bench_int4_kernels.py's choice of INT4 variants from an --ab run."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from sass_int4 import main_loop_stats  # noqa: E402
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                      /* 0x00000a0000017a02 */
+        /*0010*/                   LOP3.LUT R2, R2, 0xf, RZ, 0xc0, !PT ;       /* 0x0000000f02027812 */
+        /*0020*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;       /* 0x0000000c0804723c */
+        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;               /* 0x0000000000007b1d */
+        /*0040*/               @P0 BRA 0x10 ;                                  /* 0xfffffffc00c80947 */
+        /*0050*/                   ATOMG.E.ADD.STRONG.GPU PT, R3, [R4], R5 ;   /* 0x000000050403798a */
+        /*0060*/              @!P1 BRA 0x50 ;                                  /* 0xfffffffc00c88947 */
+        /*0070*/                   EXIT ;                                      /* 0x000000000000794d */
+"""
+
+
+def test_the_main_loop_is_the_longest_backward_branch():
+    loop = main_loop_stats(SASS)
+    # 0x10..0x40 (four instructions) beats the two-instruction 0x50..0x60 loop
+    assert loop.instructions == 4
+    assert loop.opcodes == {"LOP3": 1, "HMMA": 1, "BAR": 1, "BRA": 1}
+    assert loop.count("BAR", "STS") == 1
+
+
+def test_code_without_a_loop_is_an_error():
+    with pytest.raises(ValueError, match="no loop"):
+        main_loop_stats(SASS.replace("@P0 BRA 0x10", "NOP").replace("@!P1 BRA 0x50", "NOP"))
+
+
+def test_the_ab_run_picks_the_mma16_kernel_only_where_it_was_timed_faster():
+    from bench_int4_kernels import ab_knobs
+
+    def rows(served, mma16_16, mma16_32=None):
+        out = [{"m": 16, "variants": {"served": {"us": served}, "mma16": {"us": mma16_16}}}]
+        out.append({"m": 32, "variants": {"served": {"us": served}, **({"mma16": {"us": mma16_32}} if mma16_32 else {})}})
+        return out
+
+    assert ab_knobs(rows(10.0, 8.0, 8.0))["QFD_INT4_MMA16"] == 1
+    assert ab_knobs(rows(10.0, 9.9, 9.9))["QFD_INT4_MMA16"] == 0  # inside the 3% margin
+    # timed at 16 rows only: compared with the served time at 16 rows, not the 16 + 32 sum
+    assert ab_knobs(rows(10.0, 12.0))["QFD_INT4_MMA16"] == 0
+    assert ab_knobs(rows(10.0, 8.0))["QFD_INT4_MMA16"] == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="compiling needs triton (not on CI)")
+def test_the_mma16_kernel_compiles_to_fewer_instructions_per_weight_than_the_served_one():
+    """A static property of the machine code (sm_90), not a timing: the reason the kernel exists."""
+    from sass_int4 import study
+
+    rows = study([16], "NVIDIA H100 80GB HBM3", 90, (("fused mlp gate_up", 18432, 2560),))
+    per_weight = {r["form"]: r["instructions_per_weight"] for r in rows}
+    barriers = {r["form"]: r["barriers_per_trip"] for r in rows}
+    assert per_weight["mma16"] < 0.8 * per_weight["served"]
+    assert barriers["mma16"] < barriers["served"]
