@@ -91,7 +91,15 @@ def sweep_configs(m: int, grid: str = "full"):
     one) and the generic kernel's CUDA-core path; the tensor-core path otherwise.
     grid "split": the served kernel only, over outputs per program, deeper K splits and warps
     (one row) or splits and stages (16 rows): ~56 compiles in all, as N and K are not compile-time
-    constants, so one device call can sweep every shape."""
+    constants, so one device call can sweep every shape.
+    grid "mma16": the "split" grid plus `_int4_mma_kernel` (KernelConfig.mma16) over outputs per
+    program, splits and stages - for one row too, as a 16-row block - so the tuned table keeps,
+    per shape, whichever kernel is faster."""
+    if grid == "mma16":
+        yield from sweep_configs(m, "split")
+        for bn, split, stages in itertools.product((64, 128), (2, 4, 8, 16), (2, 3)):
+            yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, mma16=True)
+        return
     if grid == "split":
         if m == 1:
             for bn, split, warps in itertools.product((16, 32, 64, 128), (2, 4, 8, 16, 32), (2, 4)):
@@ -117,7 +125,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,16", help="comma-separated row counts M")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--sweep", action="store_true", help="also try a grid of Triton launch configs per shape")
-    p.add_argument("--sweep-grid", choices=("full", "split"), default="full", help="with --sweep: the full grid (GEMV kernel variants; compiles per config), or the served kernel's splits only (fast)")
+    p.add_argument("--sweep-grid", choices=("full", "split", "mma16"), default="full", help="with --sweep: the full grid (GEMV kernel variants; compiles per config), the served kernel's splits only (fast), or those and _int4_mma_kernel's")
     p.add_argument("--hot", action="store_true", help="time one weight copy (L2-resident) instead of cycling through HBM-sized copies")
     p.add_argument("--shapes", default="", help="comma-separated substrings: only the shapes whose name has one")
     p.add_argument("--write-tuned", nargs="?", const="", default=None, metavar="PATH",
@@ -200,6 +208,8 @@ def main() -> None:
                     timed(best[1], "triton_best_rel_err")
                     if row["triton_best_exact_us"] <= best[0]:  # exact and no slower: prefer it
                         row["triton_best_us"], row["triton_best_config"] = row["triton_best_exact_us"], vars(exact)
+                else:  # the winner's error too (a kernel form the served config does not use, e.g. mma16)
+                    timed(best[1], "triton_best_rel_err")
             del packs, packed
         results["rows"].append(row)
         save()

@@ -1,5 +1,5 @@
 """bench/sass_int4.py's SASS reading (pure Python; compiling needs triton, skipped without it)
-and bench_int4_kernels.py's choice of INT4 variants from an --ab run."""
+and bench_int4_kernels.py's choice of INT4 variants from an --ab run and its mma16 sweep grid."""
 
 import importlib.util
 import sys
@@ -61,3 +61,14 @@ def test_the_mma16_kernel_compiles_to_fewer_instructions_per_weight_than_the_ser
     barriers = {r["form"]: r["barriers_per_trip"] for r in rows}
     assert per_weight["mma16"] < 0.8 * per_weight["served"]
     assert barriers["mma16"] < barriers["served"]
+
+
+def test_the_mma16_sweep_grid_adds_the_new_kernel_beside_the_served_splits():
+    from bench_int4_kernels import sweep_configs
+
+    for rows in (1, 16):
+        split = list(sweep_configs(rows, "split"))
+        grid = list(sweep_configs(rows, "mma16"))
+        assert grid[: len(split)] == split
+        extra = grid[len(split):]
+        assert extra and all(c.mma16 and c.use_dot for c in extra)
