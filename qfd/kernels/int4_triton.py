@@ -176,6 +176,20 @@ if _HAVE_TRITON:
                 tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next launch
 
     @triton.jit
+    def _program_block(M, N, KT, BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr):
+        """A tensor-core program's share of the product: program ids (n, k split, m), its
+        outputs and rows with their masks, and its K tiles [t0, t1)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        tiles_per = tl.cdiv(KT, SPLIT_K)
+        t0 = pid_k * tiles_per
+        t1 = tl.minimum(t0 + tiles_per, KT)
+        return pid_n, pid_k, pid_m, offs_n, offs_n < N, offs_m, offs_m < M, t0, t1
+
+    @triton.jit
     def _along_n(v, W_FIRST: tl.constexpr):
         """A per-output vector [BN] broadcast against a tile: [BN, 1] when the tile is weights-first
         ([BN, rows] or [BN, 16]), else [1, BN]."""
@@ -234,17 +248,8 @@ if _HAVE_TRITON:
         whole K tile as one K = 128 dot - its 8 nibble slices dequantized together into [128, BN]
         (row 16j + p) - instead of eight K = 16 dots, so the operand's trip into the MMA layout
         and the MMA's wait come once per tile rather than once per slice."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_mask = offs_n < N
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        m_mask = offs_m < M
+        pid_n, pid_k, pid_m, offs_n, n_mask, offs_m, m_mask, t0, t1 = _program_block(M, N, KT, BM, BN, SPLIT_K)
         offs_p = tl.arange(0, 16)
-        tiles_per = tl.cdiv(KT, SPLIT_K)
-        t0 = pid_k * tiles_per
-        t1 = tl.minimum(t0 + tiles_per, KT)
         x_dtype = x_ptr.dtype.element_ty
 
         if W_FIRST:
@@ -365,21 +370,12 @@ if _HAVE_TRITON:
         - the weight is built exactly in x's 16-bit format: u | MAGIC_BITS is MAGIC + u (bf16
           0x4300 = 128, fp16 0x6400 = 1024, integers exact there), minus MAGIC + z in the same
           format is q - z exactly, two weights per paired subtract - no fp32 subtract and no
-          fp32 -> 16-bit conversion per weight (~3.9 instructions per weight against ~5.6).
+          fp32 -> 16-bit conversion per weight (~3.9 instructions per weight against ~6.1).
         Group scales multiply each group's fp32 partial sum, as in `_int4_mm_kernel`.
         EVEN_M / EVEN_N / EVEN_K (M % BM, N % BN, K % 128 all zero): the loads go unmasked; the
         masks cost 0.5-1.1 instructions per weight in the loop (static SASS count)."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_mask = offs_n < N
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        m_mask = offs_m < M
+        pid_n, pid_k, pid_m, offs_n, n_mask, offs_m, m_mask, t0, t1 = _program_block(M, N, KT, BM, BN, SPLIT_K)
         offs_p = tl.arange(0, 16)
-        tiles_per = tl.cdiv(KT, SPLIT_K)
-        t0 = pid_k * tiles_per
-        t1 = tl.minimum(t0 + tiles_per, KT)
         x_dtype = x_ptr.dtype.element_ty
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         q_rows = q_ptr + offs_p[:, None] * N + offs_n[None, :]
