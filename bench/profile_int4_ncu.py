@@ -1,7 +1,9 @@
 """A target for NVIDIA Nsight Compute: one 16-row and one 1-row INT4 product at the fused MLP
 gate/up shape (18432 x 2560, group 128), each launched three times (compile, then two clean
-launches), with the launch config served printed. Answers whether the 16-row kernel is bound by
-memory or by instruction issue (docs/benchmarks.md, 2026-12-06: it streams at ~1.1 TB/s).
+launches), with the launch config printed. Answers whether the 16-row kernel is bound by memory or
+by instruction issue (docs/benchmarks.md, 2026-12-06 fifteenth session: latency-bound at 25%
+occupancy, ~7 instructions per weight). `--forms served,mma16` also profiles `_int4_mma_kernel`
+with the same launch (for one row: the 16-row tensor-core config).
 
     ncu -k regex:_int4 --section SpeedOfLight --section InstructionStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section Occupancy python3 bench/profile_int4_ncu.py [--n 18432 --k 2560]
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=18432)
     p.add_argument("--k", type=int, default=2560)
     p.add_argument("--rows", default="16,1", help="comma-separated row counts, profiled in this order")
+    p.add_argument("--forms", default="served", help="comma-separated: served (the config Int4Linear picks), mma16 (_int4_mma_kernel)")
     args = p.parse_args()
     if not (torch.cuda.is_available() and int4_triton.available()):
         sys.exit("profile_int4_ncu.py needs CUDA and Triton")
@@ -36,10 +40,18 @@ def main() -> None:
     packed = int4_triton.pack_for_triton(qw, "cuda", scale_dtype=torch.bfloat16)
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
-        for _ in range(3):
-            int4_triton.int4_matmul(x, packed)
-        torch.cuda.synchronize()
-        print(f"rows={m}: {int4_triton.pick_config(m, args.n, args.k, x.device)}")
+        served = int4_triton.pick_config(m, args.n, args.k, x.device)
+        for form in args.forms.split(","):
+            if form == "served":
+                cfg = served
+            elif form == "mma16":
+                cfg = replace(served if served.use_dot else int4_triton.heuristic_config(16, args.n, args.k), mma16=True)
+            else:
+                sys.exit(f"--forms: unknown form {form!r} (served, mma16)")
+            for _ in range(3):
+                int4_triton.int4_matmul(x, packed, config=cfg)
+            torch.cuda.synchronize()
+            print(f"rows={m} {form}: {cfg}")
 
 
 if __name__ == "__main__":
