@@ -18,6 +18,7 @@ import torch
 from qfd.kernels import int4_triton
 from qfd.quant.grid import dequantize, rtn_quantize
 from qfd.quant.int4_linear import Int4Linear, cuda_kernel_choice, one_row_kernel, tinygemm_operands_from_triton
+from qfd.quant.types import QuantizedWeight
 
 
 def weight(n, k, group=128, symmetric=True, seed=0):
@@ -47,6 +48,13 @@ def test_pack_rejects_what_the_layout_cannot_hold():
     qw = weight(8, 96, 96)
     with pytest.raises(ValueError, match="group size"):
         int4_triton.pack_for_triton(qw)
+    # zero points past 128 (never a 4-bit format's): MAGIC + z would not be exact in bf16
+    qw = weight(8, 128, 128, symmetric=False)
+    qw.zeros[0, 0] = 129
+    with pytest.raises(ValueError, match="0..128"):
+        int4_triton.pack_for_triton(qw)
+    qw.zeros[0, 0] = 128
+    int4_triton.pack_for_triton(qw)
 
 
 @pytest.mark.parametrize("rows", [1, 16, 40, 300])
@@ -227,6 +235,28 @@ def test_mma16_kernel_matches_the_exact_operand(dtype, symmetric, rows, block_m,
     reference = int4_triton.reference_matmul(x.float(), packed, bias.float())
     torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2)
     assert int(packed.counters.abs().sum()) == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mma16_kernel_is_exact_up_to_the_largest_zero_point_packed(dtype):
+    """Zero points up to 128, the packed range: MAGIC + z stays exact in bf16 (ulp 1 below 256),
+    so every product and sum of small integers comes out exact."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton 3.6's interpreter computes tl.dot on bf16 operands wrongly (either operand): GPU only")
+    torch.manual_seed(0)
+    n, k, g = 64, 256, 128
+    zeros = torch.randint(100, 129, (n, k // g), dtype=torch.uint8)
+    zeros[0, 0] = 128
+    qw = QuantizedWeight(codes=torch.randint(0, 16, (n, k), dtype=torch.uint8), scales=torch.full((n, k // g), 2.0**-8),
+                         zeros=zeros, group_size=g, bits=4)
+    packed = int4_triton.pack_for_triton(qw, device, scale_dtype=dtype)
+    x = torch.randint(-2, 3, (16, k), device=device).to(dtype)
+    config = int4_triton.KernelConfig(use_dot=True, block_n=32, split_k=1, mma16=True, num_stages=2)
+    got = int4_triton.int4_matmul(x, packed, config=config)
+    torch.testing.assert_close(got.float(), int4_triton.reference_matmul(x.float(), packed).to(dtype).float(), rtol=0, atol=0)
+
 
 def test_programmatic_dependent_launch_is_off_where_it_cannot_run(monkeypatch):
     """QFD_INT4_PDL asks for it; it is used only on a CUDA tensor of a Hopper-or-later GPU outside

@@ -89,8 +89,10 @@ def pack_for_triton(qweight: QuantizedWeight, device: torch.device | str | None 
     else:
         u = codes
         zeros = qweight.zeros.to(torch.int32)
-        if int(zeros.min()) < 0 or int(zeros.max()) > 255:
-            raise ValueError("pack_for_triton: zero points must lie in 0..255")
+        # 4-bit zero points are 0..15 (16 in GPTQ's v1 offset); up to 128 keeps MAGIC + z exact in
+        # bf16 for `_int4_mma_kernel`
+        if int(zeros.min()) < 0 or int(zeros.max()) > 128:
+            raise ValueError("pack_for_triton: zero points must lie in 0..128")
         pad_code = 0
     if int(u.min()) < 0 or int(u.max()) > 15:
         raise ValueError("pack_for_triton: codes outside the INT4 range (symmetric -8..7, zero-point 0..15)")
@@ -369,7 +371,8 @@ if _HAVE_TRITON:
           per 16-wide slice (the hand-prefetched form had 18 barriers per tile, this one 3);
         - the weight is built exactly in x's 16-bit format: u | MAGIC_BITS is MAGIC + u (bf16
           0x4300 = 128, fp16 0x6400 = 1024, integers exact there), minus MAGIC + z in the same
-          format is q - z exactly, two weights per paired subtract - no fp32 subtract and no
+          format (exact for z <= 128, the packed range) is q - z exactly, two weights per
+          paired subtract - no fp32 subtract and no
           fp32 -> 16-bit conversion per weight (~3.9 instructions per weight against ~6.1).
         Group scales multiply each group's fp32 partial sum, as in `_int4_mm_kernel`.
         EVEN_M / EVEN_N / EVEN_K (M % BM, N % BN, K % 128 all zero): the loads go unmasked; the
@@ -393,7 +396,7 @@ if _HAVE_TRITON:
                         s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
                     else:
                         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                    if HAS_ZEROS:
+                    if HAS_ZEROS:  # MAGIC + z: exact in bf16 for z <= 128 (pack_for_triton's range)
                         c = (tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + MAGIC).to(x_dtype)
                     else:
                         c = tl.full((BN,), MAGIC + 8.0, x_dtype)
