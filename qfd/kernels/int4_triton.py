@@ -372,8 +372,8 @@ if _HAVE_TRITON:
         - the weight is built exactly in x's 16-bit format: u | MAGIC_BITS is MAGIC + u (bf16
           0x4300 = 128, fp16 0x6400 = 1024, integers exact there), minus MAGIC + z in the same
           format (exact for z <= 128, the packed range) is q - z exactly, two weights per
-          paired subtract - no fp32 subtract and no
-          fp32 -> 16-bit conversion per weight (~3.9 instructions per weight against ~6.1).
+          paired subtract - no fp32 subtract and no fp32 -> 16-bit conversion per weight
+          (~3.9 instructions per weight against ~6.1).
         Group scales multiply each group's fp32 partial sum, as in `_int4_mm_kernel`.
         EVEN_M / EVEN_N / EVEN_K (M % BM, N % BN, K % 128 all zero): the loads go unmasked; the
         masks cost 0.5-1.1 instructions per weight in the loop (static SASS count)."""
