@@ -67,16 +67,21 @@ def _tools() -> Path:
 _POINTERS = ("x_ptr", "q_ptr", "s_ptr", "z_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr")
 
 
-def compile_kernel(fn, runtime_args: dict[str, str], constants: dict, num_warps: int, num_stages: int, arch: int) -> tuple[str, int, int]:
-    """(SASS, registers per thread, static shared bytes) of one specialization of a Triton kernel."""
+def compile_kernel(fn, runtime_args: dict[str, str], constants: dict, num_warps: int, num_stages: int, arch: int,
+                   values: dict[str, int] | None = None) -> tuple[str, int, int]:
+    """(SASS, registers per thread, static shared bytes) of one specialization of a Triton kernel,
+    specialized as a launch would be: pointers 16-byte aligned; an integer argument in `values`
+    that divides by 16 gets that divisibility, one equal to 1 becomes the constant 1."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = dict(runtime_args) | {name: "constexpr" for name in constants}
-    aligned = [name for name in runtime_args if name in _POINTERS or name in ("N", "K", "stride_xm", "stride_ym")]
+    values = values or {}
+    ones = {name: 1 for name, v in values.items() if v == 1 and name in runtime_args}
+    signature = {name: ("constexpr" if name in ones else kind) for name, kind in runtime_args.items()} | {name: "constexpr" for name in constants}
+    aligned = [name for name in runtime_args if name in _POINTERS or (name not in ones and values.get(name, 1) % 16 == 0)]
     source = ASTSource(fn=fn, signature=signature,
-                       constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+                       constexprs={(fn.arg_names.index(k),): v for k, v in (constants | ones).items()},
                        attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
     cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"qfd_sass_{os.getpid()}.cubin"
@@ -121,8 +126,9 @@ def study(rows: list[int], gpu: str, arch: int, shapes=SHAPES) -> list[dict]:
     for m in rows:
         for name, n, k in shapes:
             cfg = tuned.get((1 if m == 1 else 16, n, k)) or int4_triton.heuristic_config(m, n, k)
+            values = {"M": m, "N": n, "K": k, "KT": -(-k // int4_triton.TILE_K), "stride_xm": k, "stride_ym": n}
             for label, fn, args, constants, used, weights in kernel_forms(m, n, k, cfg):
-                sass, registers, shared = compile_kernel(fn, args, constants, used.num_warps, used.num_stages, arch)
+                sass, registers, shared = compile_kernel(fn, args, constants, used.num_warps, used.num_stages, arch, values)
                 loop = main_loop_stats(sass)
                 per_thread = weights / (32 * used.num_warps)
                 out.append({"rows": m, "linear": name, "n": n, "k": k, "form": label, "config": {key: v for key, v in vars(used).items() if v is not None},
