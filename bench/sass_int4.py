@@ -165,6 +165,8 @@ def main() -> None:
         import triton  # noqa: F401
     except ImportError:
         sys.exit("sass_int4.py needs triton (pip install triton==3.6.0); no GPU is needed")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("sass_int4.py compiles the kernels: unset TRITON_INTERPRET (the interpreter has no machine code)")
     if args.shapes == "all":
         shapes = SHAPES
     elif args.shapes == "fused":
