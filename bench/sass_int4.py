@@ -121,11 +121,13 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
 
 
 def study(rows: list[int], gpu: str, arch: int, shapes=SHAPES) -> list[dict]:
+    """One result per (row count, linear, kernel form), with the launch config `pick_config`
+    would choose on `gpu` (its tuned table up to 16 rows, else the heuristic)."""
     tuned = int4_triton.tuned_configs(gpu)
     out = []
     for m in rows:
         for name, n, k in shapes:
-            cfg = tuned.get((1 if m == 1 else 16, n, k)) or int4_triton.heuristic_config(m, n, k)
+            cfg = (tuned.get((1 if m == 1 else 16, n, k)) if m <= 16 else None) or int4_triton.heuristic_config(m, n, k)
             values = {"M": m, "N": n, "K": k, "KT": -(-k // int4_triton.TILE_K), "stride_xm": k, "stride_ym": n}
             for label, fn, args, constants, used, weights in kernel_forms(m, n, k, cfg):
                 sass, registers, shared = compile_kernel(fn, args, constants, used.num_warps, used.num_stages, arch, values)
