@@ -18,10 +18,12 @@
 #                in torch - the path before the split-KV kernels: QFD_ATTENTION_KERNEL=torch), int4_pdl
 #                (fused, the INT4 kernels launched with programmatic dependent launch: QFD_INT4_PDL=1),
 #                int4_wfirst (fused, the INT4 tensor-core path with the weights as the dot's first operand:
-#                QFD_INT4_WFIRST=1)
+#                QFD_INT4_WFIRST=1), int4_mma16 (fused, the INT4 tensor-core path through _int4_mma_kernel:
+#                QFD_INT4_MMA16=1), int4_mma16_all (the same and one-row products through it: QFD_INT4_MMA16=all)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
-#                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks)
+#                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks;
+#                INT4_AB_FLAGS: more flags, e.g. "--ab-only mma16,dot+mma16" - labels without spaces)
 #   TREE=N       also a draft-tree verify of N tokens + keep per setting (bench_steps --tree N)
 #   STEPS_S      each run's time limit (default 150); the first run gets STEPS_FIRST_S (default
 #                STEPS_S + 120): on a fresh machine it compiles every kernel (and flash-linear-attention
@@ -30,12 +32,12 @@ export PYTHONPATH=${QFD_SRC:-$PWD}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 [ "${TESTS_K:-}" = none ] || (cd "$SRC" && timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py tests/test_int4_dequant.py tests/test_attention_triton.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -3)
-[ -z "${INT4_AB:-}" ] || timeout "${INT4_AB_S:-150}" python3 "$SRC/bench/bench_int4_kernels.py" --ab --rows 1,16,32 --out "$OUT/int4_ab.json" 2>&1 | grep -v Warning | tee "$OUT/int4_ab.log" | tail -60
+[ -z "${INT4_AB:-}" ] || timeout "${INT4_AB_S:-150}" python3 "$SRC/bench/bench_int4_kernels.py" --ab --rows 1,16,32 ${INT4_AB_FLAGS:-} --out "$OUT/int4_ab.json" 2>&1 | grep -v Warning | tee "$OUT/int4_ab.log" | tail -60
 limit=${STEPS_FIRST_S:-$(( ${STEPS_S:-150} + 120 ))}
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0
+    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=0
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
     [ "$variant" = gdn_chunk_verify ] && verify=chunk
@@ -43,11 +45,13 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = attn_torch ] && attention=torch
     [ "$variant" = int4_pdl ] && pdl=1
     [ "$variant" = int4_wfirst ] && wfirst=1
+    [ "$variant" = int4_mma16 ] && mma16=1
+    [ "$variant" = int4_mma16_all ] && mma16=all
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
     [ "$variant" = int4_head ] && flags="--int4-head"
-    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention QFD_INT4_PDL=$pdl QFD_INT4_WFIRST=$wfirst timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention QFD_INT4_PDL=$pdl QFD_INT4_WFIRST=$wfirst QFD_INT4_MMA16=$mma16 timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"

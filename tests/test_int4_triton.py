@@ -213,7 +213,7 @@ def test_magic_operand_matches_the_exact_operand(dtype, symmetric, rows, block_m
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("rows,block_m,group,split_k", [(2, 16, 128, 1), (16, 16, 128, 2), (32, 32, 64, 1), (40, 16, 256, 3), (16, 16, 32, 1)])
+@pytest.mark.parametrize("rows,block_m,group,split_k", [(1, 16, 128, 2), (2, 16, 128, 1), (16, 16, 128, 2), (32, 32, 64, 1), (40, 16, 256, 3), (16, 16, 32, 1)])
 def test_mma16_kernel_matches_the_exact_operand(dtype, symmetric, rows, block_m, group, split_k):
     """`_int4_mma_kernel` builds q - z exactly in x's 16-bit format: the same operand values as
     the fp32-built one, so the same product to the 16-bit output's rounding; K leaves a
@@ -257,6 +257,16 @@ def test_mma16_kernel_is_exact_up_to_the_largest_zero_point_packed(dtype):
     got = int4_triton.int4_matmul(x, packed, config=config)
     torch.testing.assert_close(got.float(), int4_triton.reference_matmul(x.float(), packed).to(dtype).float(), rtol=0, atol=0)
 
+
+
+def test_mma16_all_sends_one_row_through_the_new_kernel(monkeypatch):
+    """QFD_INT4_MMA16=all (read at import into MMA16_ONE_ROW): one row takes a 16-row
+    `_int4_mma_kernel` block; otherwise the one-row config stays the CUDA-core path."""
+    assert not int4_triton.pick_config(1, 4096, 2560).use_dot
+    monkeypatch.setattr(int4_triton, "MMA16_ONE_ROW", True)
+    cfg = int4_triton.pick_config(1, 4096, 2560)
+    assert cfg.use_dot and cfg.mma16 and cfg.block_m == 16
+    assert int4_triton.pick_config(16, 4096, 2560).mma16 is None  # 16 rows: QFD_INT4_MMA16 decides
 
 def test_programmatic_dependent_launch_is_off_where_it_cannot_run(monkeypatch):
     """QFD_INT4_PDL asks for it; it is used only on a CUDA tensor of a Hopper-or-later GPU outside

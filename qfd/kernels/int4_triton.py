@@ -555,9 +555,11 @@ W_FIRST_DOT = os.environ.get("QFD_INT4_WFIRST", "0") == "1"
 # of eight K = 16 dots: QFD_INT4_TILEDOT=1. Untimed; for bench_int4_kernels.py --ab.
 TILE_DOT = os.environ.get("QFD_INT4_TILEDOT", "0") == "1"
 # The tensor-core path through `_int4_mma_kernel` (pipelined loads, the weight built exactly in
-# x's 16-bit format) for 16-bit x: QFD_INT4_MMA16=1. Read off the offline SASS (fewer
+# x's 16-bit format) for 16-bit x: QFD_INT4_MMA16=1; QFD_INT4_MMA16=all also sends one-row
+# products (the decode) through it, as a 16-row block. Read off the offline SASS (fewer
 # instructions and registers per weight, no per-slice barrier); untimed on a GPU, so off.
-MMA16 = os.environ.get("QFD_INT4_MMA16", "0") == "1"
+MMA16 = os.environ.get("QFD_INT4_MMA16", "0") in ("1", "all")
+MMA16_ONE_ROW = os.environ.get("QFD_INT4_MMA16", "0") == "all"
 
 
 def _pdl(cfg: KernelConfig, x: torch.Tensor) -> bool:
@@ -596,7 +598,10 @@ def _current_device_name(index: int) -> str:
 
 def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> KernelConfig:
     """Launch config for an M x K @ K x N product on `device`: the GPU's tuned entry for
-    (1 or 16 rows, N, K) when it has one, else `heuristic_config`."""
+    (1 or 16 rows, N, K) when it has one, else `heuristic_config`; one row as a 16-row
+    `_int4_mma_kernel` block under QFD_INT4_MMA16=all."""
+    if m == 1 and MMA16_ONE_ROW:
+        return replace(heuristic_config(16, n, k), mma16=True)
     if device is not None and device.type == "cuda" and m <= 16:
         tuned = tuned_configs(_current_device_name(device.index if device.index is not None else torch.cuda.current_device()))
         cfg = tuned.get((1 if m == 1 else 16, n, k))
