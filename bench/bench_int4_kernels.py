@@ -19,9 +19,8 @@ gate+up, GDN qkv+z+b+a, attention q+k+v), the drafter's own and the 248K-row LM 
 
 --ab times, per shape and row count, the config Int4Linear serves against the same launch with
 the 16-bit MAGIC + u weight operand (KernelConfig.magic), the weights as the dot's first
-operand (KernelConfig.w_first, also with the magic operand and with 8 warps), one K = 128 dot
-per packed tile (KernelConfig.tile_dot, also with 8 warps and with 3 stages), `_int4_mma_kernel`
-(KernelConfig.mma16: pipelined loads, the weight built in 16 bits; also for one row), programmatic
+operand (KernelConfig.w_first, also with the magic operand and with 8 warps),
+`_int4_mma_kernel` (KernelConfig.mma16: pipelined loads, the weight built in 16 bits; also for one row), programmatic
 dependent launch on Hopper (KernelConfig.pdl), the tensor-core path for one row, and for more
 than 16 rows one 32-row block instead of two 16-row ones (each dequantizes the weight).
 
@@ -276,10 +275,6 @@ def ab_variants(m: int, n: int, k: int):
         yield "mma16", replace(served, mma16=True)
         yield "mma16 s3", replace(served, mma16=True, num_stages=3)
         yield "mma16 bn64", replace(served, mma16=True, block_n=64)
-        # one K = 128 dot per tile (QFD_INT4_TILEDOT=1), also with 8 warps and 3 stages
-        yield "tile", replace(served, tile_dot=True, magic=False, w_first=False)
-        yield "tile w8", replace(served, tile_dot=True, magic=False, w_first=False, num_warps=8)
-        yield "tile s3", replace(served, tile_dot=True, magic=False, w_first=False, num_stages=3)
     if m == 1:  # the tensor-core path for one row (15 of its 16 rows masked), exact and magic
         dot = int4_triton.heuristic_config(16, n, k)
         yield "dot", replace(dot, magic=False)

@@ -111,7 +111,7 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
     else:
         bm = cfg.block_m if cfg.use_dot else 1
         yield ("served", int4_triton._int4_mm_kernel, _MM_ARGS,
-               base | dict(BM=bm, BN=cfg.block_n, USE_DOT=cfg.use_dot, DOT_IEEE=False, MAGIC_BITS=0, MAGIC=0.0, PDL=False, W_FIRST=False, TILE_DOT=False),
+               base | dict(BM=bm, BN=cfg.block_n, USE_DOT=cfg.use_dot, DOT_IEEE=False, MAGIC_BITS=0, MAGIC=0.0, PDL=False, W_FIRST=False),
                cfg, 128 * cfg.block_n)
     dot = cfg if cfg.use_dot else int4_triton.heuristic_config(16, n, k)
     yield ("mma16" if cfg.use_dot else "mma16 (16-row block)", int4_triton._int4_mma_kernel, _MM_ARGS,

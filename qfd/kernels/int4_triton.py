@@ -230,7 +230,6 @@ if _HAVE_TRITON:
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
         DOT_IEEE: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr, PDL: tl.constexpr, W_FIRST: tl.constexpr,
-        TILE_DOT: tl.constexpr,
     ):
         """One program: rows [BM*pid_m, +BM) x outputs [BN*pid_n, +BN) x K tiles of split pid_k.
 
@@ -244,12 +243,7 @@ if _HAVE_TRITON:
         x's 16-bit format straight from the nibble - u | MAGIC_BITS is MAGIC + u exactly (bf16
         0x4300 = 128, fp16 0x6400 = 1024: integers are exact there) - so a weight costs a shift
         and a mask-or, with no float subtract and no fp32 -> 16-bit conversion. The offset comes
-        off per group: sum x (MAGIC + u) - (MAGIC + z) sum x = sum x (u - z), fp32 accumulation.
-
-        TILE_DOT (tensor-core path, GROUP a multiple of 128, neither W_FIRST nor MAGIC_BITS): the
-        whole K tile as one K = 128 dot - its 8 nibble slices dequantized together into [128, BN]
-        (row 16j + p) - instead of eight K = 16 dots, so the operand's trip into the MMA layout
-        and the MMA's wait come once per tile rather than once per slice."""
+        off per group: sum x (MAGIC + u) - (MAGIC + z) sum x = sum x (u - z), fp32 accumulation."""
         pid_n, pid_k, pid_m, offs_n, n_mask, offs_m, m_mask, t0, t1 = _program_block(M, N, KT, BM, BN, SPLIT_K)
         offs_p = tl.arange(0, 16)
         x_dtype = x_ptr.dtype.element_ty
@@ -272,23 +266,7 @@ if _HAVE_TRITON:
             p_cur = p_next
             # prefetch the next tile while this one is dequantized (two tiles in flight)
             p_next = tl.load(q_rows + (t + 1) * 16 * N, mask=q_mask & (zero_p + t + 1 < t1), other=0)
-            if TILE_DOT:
-                g = t * 128 // GROUP
-                s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-                if HAS_ZEROS:
-                    c = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + 8388608.0
-                else:
-                    c = tl.full((BN,), 8388616.0, tl.float32)  # 2^23 + 8
-                shifts = 4 * tl.arange(0, 8)
-                bits = ((p_cur[None, :, :] >> shifts[:, None, None]) & 0xF) | 0x4B000000  # [8 (j), 16 (p), BN]
-                w = tl.reshape(bits.to(tl.float32, bitcast=True) - c[None, None, :], (128, BN))  # row 16j + p: exact q - z
-                offs_k = t * 128 + tl.arange(0, 128)
-                xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-                if DOT_IEEE:
-                    acc += tl.dot(xt, w.to(x_dtype), input_precision="ieee") * s[None, :]
-                else:
-                    acc += tl.dot(xt, w.to(x_dtype)) * s[None, :]
-            for j in tl.static_range(0 if TILE_DOT else 8):
+            for j in tl.static_range(8):
                 k0 = t * 128 + j * 16
                 if (j * 16) % GROUP == 0:  # a new group starts at this K slice: its scale/zero
                     g = k0 // GROUP
@@ -522,7 +500,6 @@ class KernelConfig:
     magic: bool | None = None  # tensor-core path, 16-bit x: the MAGIC_BITS operand (None: MAGIC_DOT)
     pdl: bool | None = None  # programmatic dependent launch on Hopper and later (None: PDL_LAUNCH)
     w_first: bool | None = None  # tensor-core path: weights as the dot's first operand (None: W_FIRST_DOT)
-    tile_dot: bool | None = None  # tensor-core path, group % 128 == 0: one K = 128 dot per tile (None: TILE_DOT)
     mma16: bool | None = None  # tensor-core path, 16-bit x: `_int4_mma_kernel` (None: MMA16)
 
 
@@ -551,9 +528,6 @@ PDL_LAUNCH = os.environ.get("QFD_INT4_PDL", "0") == "1"
 # fourteenth session): 0.95x at 16 rows, 1.06x at 32 (kernel level only) - the orientation is not
 # the bottleneck, so it stays off.
 W_FIRST_DOT = os.environ.get("QFD_INT4_WFIRST", "0") == "1"
-# The tensor-core path with one K = 128 dot per packed tile (`_int4_mm_kernel`'s TILE_DOT) instead
-# of eight K = 16 dots: QFD_INT4_TILEDOT=1. Untimed; for bench_int4_kernels.py --ab.
-TILE_DOT = os.environ.get("QFD_INT4_TILEDOT", "0") == "1"
 # The tensor-core path through `_int4_mma_kernel` (pipelined loads, the weight built exactly in
 # x's 16-bit format) for 16-bit x: QFD_INT4_MMA16=1; QFD_INT4_MMA16=all also sends one-row
 # products (the decode) through it, as a 16-row block. Read off the offline SASS (fewer
@@ -655,32 +629,27 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
     if grid_n * grid_m > packed.counters.numel():
         split = 1
     ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    # the two tensor-core kernels' common operands and specializations
+    operands = (x2, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
+                bias if bias is not None else packed.scales, y, ws, packed.counters,
+                m, n, k, packed.qweight.shape[0] // 16, x2.stride(0), y.stride(0))
+    shared = dict(GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
+                  BM=bm, BN=cfg.block_n, SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.use_dot and (MMA16 if cfg.mma16 is None else cfg.mma16) and x.dtype in _MAGIC:
         magic_bits, magic_value = _MAGIC[x.dtype]
         _int4_mma_kernel[(grid_n, split, grid_m)](
-            x2, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
-            bias if bias is not None else packed.scales, y, ws, packed.counters,
-            m, n, k, packed.qweight.shape[0] // 16, x2.stride(0), y.stride(0),
-            GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
-            BM=bm, BN=cfg.block_n, SPLIT_K=split, MAGIC_BITS=magic_bits, MAGIC=magic_value,
+            *operands, **shared, MAGIC_BITS=magic_bits, MAGIC=magic_value,
             EVEN_M=m % bm == 0, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % TILE_K == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return y.reshape(*lead, n)
     magic = cfg.use_dot and (MAGIC_DOT if cfg.magic is None else cfg.magic) and x.dtype in _MAGIC
     magic_bits, magic_value = _MAGIC[x.dtype] if magic else (0, 0.0)
     pdl = _pdl(cfg, x)
     w_first = cfg.use_dot and (W_FIRST_DOT if cfg.w_first is None else cfg.w_first)
-    tile_dot = (cfg.use_dot and not (magic or w_first) and packed.group_size % TILE_K == 0
-                and (TILE_DOT if cfg.tile_dot is None else cfg.tile_dot))
     _int4_mm_kernel[(grid_n, split, grid_m)](
-        x2, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
-        bias if bias is not None else packed.scales, y, ws, packed.counters,
-        m, n, k, packed.qweight.shape[0] // 16, x2.stride(0), y.stride(0),
-        GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
-        BM=bm, BN=cfg.block_n, SPLIT_K=split, USE_DOT=cfg.use_dot, DOT_IEEE=x.dtype == torch.float32,
-        MAGIC_BITS=magic_bits, MAGIC=magic_value, PDL=pdl, W_FIRST=w_first, TILE_DOT=tile_dot,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        *operands, **shared, USE_DOT=cfg.use_dot, DOT_IEEE=x.dtype == torch.float32,
+        MAGIC_BITS=magic_bits, MAGIC=magic_value, PDL=pdl, W_FIRST=w_first,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return y.reshape(*lead, n)
 
