@@ -340,8 +340,11 @@ def ab_table(rows: list[dict]) -> None:
 def write_tuned(where: str, results: dict) -> str:
     """The sweep's best config per (rows, N, K) as the GPU's tuned table (`where`, or
     int4_triton.tuned_file of the GPU when empty); rewritten after every shape, so a sweep cut
-    short by a time limit still leaves what it found."""
+    short by a time limit still leaves what it found. Entries of the table already there that
+    this run did not time (other row counts or shapes) are kept, so a sweep of 16 rows alone
+    does not drop the one-row entries."""
     path = Path(where) if where else int4_triton.tuned_file(results["device"])
+    kept = json.loads(path.read_text())["configs"] if path.is_file() else []
     best: dict[tuple, dict] = {}  # two linears of one shape (o_proj, out_proj): one entry, the faster
     for r in results["rows"]:
         if "triton_best_config" in r and r["m"] in (1, 16):
@@ -349,7 +352,7 @@ def write_tuned(where: str, results: dict) -> str:
             key = (r["m"], r["n"], r["k"])
             if key not in best or entry["us"] < best[key]["us"]:
                 best[key] = entry
-    entries = list(best.values())
+    entries = [e for e in kept if (e["m"], e["n"], e["k"]) not in best] + list(best.values())
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"device": results["device"], "torch": results["torch"], "weights": results["weights"], "configs": entries}, indent=1) + "\n")
     return f"{path} ({len(entries)} shapes)"

@@ -324,3 +324,9 @@ def test_the_tuned_table_keeps_one_entry_per_shape_the_faster(tmp_path):
     bench.write_tuned(str(out), {"device": "GPU", "torch": "x", "weights": "hbm", "rows": rows})
     table = json.loads(out.read_text())["configs"]
     assert [(e["m"], e["us"], e["block_n"]) for e in table] == [(1, 7.5, 32), (16, 11.0, 64)]
+    # a later sweep of 16 rows alone replaces that entry and keeps the one-row one
+    mma = vars(int4_triton.KernelConfig(use_dot=True, block_n=128, split_k=4, mma16=True))
+    bench.write_tuned(str(out), {"device": "GPU", "torch": "x", "weights": "hbm",
+                                 "rows": [{"m": 16, "n": 2560, "k": 4096, "triton_best_us": 12.0, "triton_best_config": mma}]})
+    table = json.loads(out.read_text())["configs"]
+    assert [(e["m"], e["us"], e["block_n"], e["mma16"]) for e in table] == [(1, 7.5, 32, None), (16, 12.0, 128, True)]

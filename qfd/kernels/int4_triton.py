@@ -529,11 +529,15 @@ PDL_LAUNCH = os.environ.get("QFD_INT4_PDL", "0") == "1"
 # the bottleneck, so it stays off.
 W_FIRST_DOT = os.environ.get("QFD_INT4_WFIRST", "0") == "1"
 # The tensor-core path through `_int4_mma_kernel` (pipelined loads, the weight built exactly in
-# x's 16-bit format) for 16-bit x: QFD_INT4_MMA16=1; QFD_INT4_MMA16=all also sends one-row
-# products (the decode) through it, as a 16-row block. Read off the offline SASS (fewer
-# instructions and registers per weight, no per-slice barrier); untimed on a GPU, so off.
-MMA16 = os.environ.get("QFD_INT4_MMA16", "0") in ("1", "all")
-MMA16_ONE_ROW = os.environ.get("QFD_INT4_MMA16", "0") == "all"
+# x's 16-bit format) for 16-bit x. On by default for products of 2 rows and more: measured
+# (H100, docs/benchmarks.md 2026-12-06 sixteenth session) 1.17x at 16 rows and 1.21x at 32,
+# summed over the fused + drafter shapes (the 248320-row LM head 1.17x / 1.21x), and the INT4
+# target's graphed verify 3% faster, a 32-node tree verify 4%. QFD_INT4_MMA16=0 restores the
+# old kernel; QFD_INT4_MMA16=all also sends one-row products (the decode) through it as a
+# 16-row block, which lost there (0.88x summed, the decode step 3% slower).
+_MMA16_KNOB = os.environ.get("QFD_INT4_MMA16", "1")
+MMA16 = _MMA16_KNOB in ("1", "all")
+MMA16_ONE_ROW = _MMA16_KNOB == "all"
 
 
 def _pdl(cfg: KernelConfig, x: torch.Tensor) -> bool:
