@@ -94,10 +94,11 @@ def sweep_configs(m: int, grid: str = "full"):
     grid "mma16": the "split" grid plus `_int4_mma_kernel` (KernelConfig.mma16) over outputs per
     program, splits and stages - for one row too, as a 16-row block - so the tuned table keeps,
     per shape, whichever kernel is faster."""
+    block_m = 32 if m > 16 else 16  # 17-32 rows as one 32-row block, as the heuristic runs them
     if grid == "mma16":
         yield from sweep_configs(m, "split")
         for bn, split, stages in itertools.product((64, 128), (2, 4, 8, 16), (2, 3)):
-            yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, mma16=True)
+            yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, block_m=block_m, mma16=True)
         return
     if grid == "split":
         if m == 1:
@@ -105,7 +106,7 @@ def sweep_configs(m: int, grid: str = "full"):
                 yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps)
         else:
             for bn, split, stages in itertools.product((64, 128), (2, 4, 8, 16), (2, 3)):
-                yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages)
+                yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, block_m=block_m)
         return
     if m == 1:
         for (bn, tiles), split, warps, stages in itertools.product(
@@ -347,7 +348,7 @@ def write_tuned(where: str, results: dict) -> str:
     kept = json.loads(path.read_text())["configs"] if path.is_file() else []
     best: dict[tuple, dict] = {}  # two linears of one shape (o_proj, out_proj): one entry, the faster
     for r in results["rows"]:
-        if "triton_best_config" in r and r["m"] in (1, 16):
+        if "triton_best_config" in r and r["m"] in (1, 16, 32):
             entry = {"m": r["m"], "n": r["n"], "k": r["k"], "us": round(r["triton_best_us"], 2), **r["triton_best_config"]}
             key = (r["m"], r["n"], r["k"])
             if key not in best or entry["us"] < best[key]["us"]:

@@ -172,10 +172,15 @@ def test_pick_config_reads_the_gpus_tuned_table(tmp_path, monkeypatch):
     monkeypatch.setattr(int4_triton, "_current_device_name", lambda index: "NVIDIA Test GPU")
     int4_triton.tuned_configs.cache_clear()
     entry = {"m": 1, "n": 512, "k": 256, "us": 3.0, "use_dot": False, "block_n": 128, "split_k": 2, "num_warps": 8, "num_stages": 3, "tiles": 2, "offset_sum": True}
-    int4_triton.tuned_file("NVIDIA Test GPU").write_text(__import__("json").dumps({"device": "NVIDIA Test GPU", "configs": [entry]}))
+    tree = {"m": 32, "n": 512, "k": 256, "us": 4.0, "use_dot": True, "block_n": 64, "split_k": 2, "block_m": 32, "mma16": True}
+    int4_triton.tuned_file("NVIDIA Test GPU").write_text(__import__("json").dumps({"device": "NVIDIA Test GPU", "configs": [entry, tree]}))
     cuda = torch.device("cuda", 0)
     try:
         assert int4_triton.pick_config(1, 512, 256, cuda) == int4_triton.KernelConfig(use_dot=False, block_n=128, split_k=2, num_warps=8, num_stages=3, tiles=2, offset_sum=True)
+        # 17-32 rows (a 32-node tree verify): the m = 32 entry, with 32-row blocks only
+        assert int4_triton.pick_config(24, 512, 256, cuda) == int4_triton.KernelConfig(use_dot=True, block_n=64, split_k=2, block_m=32, mma16=True)
+        monkeypatch.setattr(int4_triton, "BLOCK_M_32", False)
+        assert int4_triton.pick_config(24, 512, 256, cuda) == int4_triton.heuristic_config(24, 512, 256)
         # another shape, more rows, or a CPU tensor: the heuristic
         assert int4_triton.pick_config(1, 1024, 256, cuda) == int4_triton.heuristic_config(1, 1024, 256)
         assert int4_triton.pick_config(40, 512, 256, cuda) == int4_triton.heuristic_config(40, 512, 256)

@@ -74,3 +74,10 @@ def test_the_mma16_sweep_grid_adds_the_new_kernel_beside_the_served_splits():
         assert grid[: len(split)] == split
         extra = grid[len(split):]
         assert extra and all(c.mma16 and c.use_dot for c in extra)
+
+
+def test_the_sweep_at_32_rows_tries_32_row_blocks_as_the_served_heuristic_runs_them():
+    from bench_int4_kernels import sweep_configs
+
+    assert {c.block_m for c in sweep_configs(32, "mma16")} == {32}
+    assert {c.block_m for c in sweep_configs(16, "mma16") if c.use_dot} == {16}

@@ -547,8 +547,9 @@ def _pdl(cfg: KernelConfig, x: torch.Tensor) -> bool:
 
 # Tuned launch configs per GPU model: qfd/kernels/tuned/<device name>.json, written by
 # `bench/bench_int4_kernels.py --sweep --write-tuned` on that GPU ({"device": ..., "configs":
-# [{"m": 1 | 16, "n": N, "k": K, <KernelConfig fields>}, ...]}). A product of 1 row looks up
-# m = 1, of 2-16 rows m = 16; shapes or GPUs without an entry use `heuristic_config`.
+# [{"m": 1 | 16 | 32, "n": N, "k": K, <KernelConfig fields>}, ...]}). A product of 1 row looks up
+# m = 1, of 2-16 rows m = 16, of 17-32 rows (a 32-node tree verify) m = 32 - with 32-row blocks
+# (QFD_INT4_BM32) only; shapes or GPUs without an entry use `heuristic_config`.
 TUNED_DIR = Path(__file__).with_name("tuned")
 
 
@@ -576,13 +577,14 @@ def _current_device_name(index: int) -> str:
 
 def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> KernelConfig:
     """Launch config for an M x K @ K x N product on `device`: the GPU's tuned entry for
-    (1 or 16 rows, N, K) when it has one, else `heuristic_config`; one row as a 16-row
+    (1, 16 or 32 rows, N, K) when it has one, else `heuristic_config`; one row as a 16-row
     `_int4_mma_kernel` block under QFD_INT4_MMA16=all."""
     if m == 1 and MMA16_ONE_ROW:
         return replace(heuristic_config(16, n, k), mma16=True)
-    if device is not None and device.type == "cuda" and m <= 16:
+    rows_key = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 and BLOCK_M_32 else None
+    if device is not None and device.type == "cuda" and rows_key is not None:
         tuned = tuned_configs(_current_device_name(device.index if device.index is not None else torch.cuda.current_device()))
-        cfg = tuned.get((1 if m == 1 else 16, n, k))
+        cfg = tuned.get((rows_key, n, k))
         if cfg is not None:
             return cfg
     return heuristic_config(m, n, k)
