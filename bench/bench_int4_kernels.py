@@ -95,8 +95,8 @@ def sweep_configs(m: int, grid: str = "full"):
     program, splits and stages - for one row too, as a 16-row block - so the tuned table keeps,
     per shape, whichever kernel is faster."""
     block_m = 32 if m > 16 else 16  # 17-32 rows as one 32-row block, as the heuristic runs them
-    if grid == "mma16":
-        yield from sweep_configs(m, "split")
+    if grid == "mma16":  # the served splits through the older kernel, named so the table records which won
+        yield from (replace(c, mma16=False) if c.use_dot else c for c in sweep_configs(m, "split"))
         for bn, split, stages in itertools.product((64, 128), (2, 4, 8, 16), (2, 3)):
             yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, block_m=block_m, mma16=True)
         return

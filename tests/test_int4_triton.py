@@ -179,6 +179,9 @@ def test_pick_config_reads_the_gpus_tuned_table(tmp_path, monkeypatch):
         assert int4_triton.pick_config(1, 512, 256, cuda) == int4_triton.KernelConfig(use_dot=False, block_n=128, split_k=2, num_warps=8, num_stages=3, tiles=2, offset_sum=True)
         # 17-32 rows (a 32-node tree verify): the m = 32 entry, with 32-row blocks only
         assert int4_triton.pick_config(24, 512, 256, cuda) == int4_triton.KernelConfig(use_dot=True, block_n=64, split_k=2, block_m=32, mma16=True)
+        # QFD_INT4_MMA16=0 (read at import into MMA16) holds over a tuned entry's mma16
+        monkeypatch.setattr(int4_triton, "MMA16", False)
+        assert int4_triton.pick_config(24, 512, 256, cuda).mma16 is False
         monkeypatch.setattr(int4_triton, "BLOCK_M_32", False)
         assert int4_triton.pick_config(24, 512, 256, cuda) == int4_triton.heuristic_config(24, 512, 256)
         # another shape, more rows, or a CPU tensor: the heuristic
