@@ -265,45 +265,46 @@ def ab_variants(m: int, n: int, k: int):
     if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch (QFD_INT4_PDL=1)
         yield "pdl", replace(served, pdl=True)
     if served.use_dot:
-        yield "magic", replace(served, magic=True)
+        # the older tensor-core kernel (`_int4_mm_kernel`, the default before 2026-12-06: QFD_INT4_MMA16=0)
+        # and its own variants, pinned to it: 16-bit x goes to `_int4_mma_kernel` by default
+        old = replace(served, mma16=False)
+        yield "old kernel", old
+        yield "magic", replace(old, magic=True)
         # the weights as the dot's first operand (QFD_INT4_WFIRST=1), exact and magic, and with
         # two warpgroups
-        yield "wfirst", replace(served, w_first=True, magic=False)
-        yield "wfirst+magic", replace(served, w_first=True, magic=True)
-        yield "wfirst w8", replace(served, w_first=True, magic=False, num_warps=8)
-        # pipelined loads and the weight built exactly in 16 bits (QFD_INT4_MMA16=1), also with
-        # 3 stages and with 64 outputs a program
+        yield "wfirst", replace(old, w_first=True, magic=False)
+        yield "wfirst+magic", replace(old, w_first=True, magic=True)
+        yield "wfirst w8", replace(old, w_first=True, magic=False, num_warps=8)
+        # `_int4_mma_kernel` (the default: pipelined loads, the weight built exactly in 16 bits),
+        # also with 3 stages and with 64 outputs a program
         yield "mma16", replace(served, mma16=True)
         yield "mma16 s3", replace(served, mma16=True, num_stages=3)
         yield "mma16 bn64", replace(served, mma16=True, block_n=64)
     if m == 1:  # the tensor-core path for one row (15 of its 16 rows masked), exact and magic
         dot = int4_triton.heuristic_config(16, n, k)
-        yield "dot", replace(dot, magic=False)
-        yield "dot+magic", replace(dot, magic=True)
+        yield "dot", replace(dot, magic=False, mma16=False)
+        yield "dot+magic", replace(dot, magic=True, mma16=False)
         yield "dot+mma16", replace(dot, mma16=True)
-    if 16 < m <= 32:  # one block of 32 rows: the weight dequantized once, not twice
-        yield "bm32", replace(served, block_m=32, magic=False)
-        yield "bm32+magic", replace(served, block_m=32, magic=True)
+    if 16 < m <= 32:  # two 16-row blocks, each dequantizing the whole weight (QFD_INT4_BM32=0)
+        yield "bm16", replace(served, block_m=16)
 
 
 def ab_knobs(rows: list[dict], margin: float = 0.97) -> dict[str, int]:
-    """The INT4 variants an --ab run says to serve with, as environment settings: the magic
-    operand when its summed time over the 16- and 32-row products is under `margin` x the
-    exact operand's; 32-row blocks when, with that operand, they beat two 16-row blocks;
-    `_int4_mma_kernel` (it takes precedence over both) when its sum is under `margin` x the
-    served one's."""
+    """The INT4 variants an --ab run says to serve with, as environment settings. Each default
+    holds unless its alternative's time, summed over the row counts both ran at, is under
+    `margin` x the default's: `_int4_mma_kernel` (QFD_INT4_MMA16) against the older kernel at 16
+    and 32 rows; 32-row blocks (QFD_INT4_BM32) against two 16-row blocks at 32 rows. The magic
+    operand (QFD_INT4_MAGIC, the older kernel's only) is on where it beats that kernel's exact one."""
     def total(m, label):
         entries = [r["variants"] for r in rows if r["m"] == m and "variants" in r]
         return sum(e[label]["us"] for e in entries) if entries and all(label in e for e in entries) else None
 
-    served = (total(16, "served") or 0) + (total(32, "served") or 0)
-    magic = (total(16, "magic") or 0) + (total(32, "magic") or 0)
-    use_magic = bool(served and magic and magic < margin * served)
-    plain, wide = (total(32, "magic"), total(32, "bm32+magic")) if use_magic else (total(32, "served"), total(32, "bm32"))
-    use_bm32 = bool(plain and wide and wide < margin * plain)
-    timed = [m for m in (16, 32) if total(m, "mma16") is not None]  # like for like: the row counts it ran at
-    use_mma16 = bool(timed) and sum(total(m, "mma16") for m in timed) < margin * sum(total(m, "served") for m in timed)
-    return {"QFD_INT4_MAGIC": int(use_magic), "QFD_INT4_BM32": int(use_bm32), "QFD_INT4_MMA16": int(use_mma16)}
+    def faster(label, than):  # like for like: the row counts both ran at
+        timed = [m for m in (16, 32) if total(m, label) is not None and total(m, than) is not None]
+        return bool(timed) and sum(total(m, label) for m in timed) < margin * sum(total(m, than) for m in timed)
+
+    return {"QFD_INT4_MAGIC": int(faster("magic", "old kernel")), "QFD_INT4_BM32": int(not faster("bm16", "served")),
+            "QFD_INT4_MMA16": int(not faster("old kernel", "mma16"))}
 
 
 def ab_table(rows: list[dict]) -> None:

@@ -2,8 +2,9 @@
 gate/up shape (18432 x 2560, group 128), each launched three times (compile, then two clean
 launches), with the launch config printed. Answers whether the 16-row kernel is bound by memory or
 by instruction issue (docs/benchmarks.md, 2026-12-06 fifteenth session: latency-bound at 25%
-occupancy, ~7 instructions per weight). `--forms served,mma16` also profiles `_int4_mma_kernel`
-with the same launch (for one row: the 16-row tensor-core config).
+occupancy, ~7 instructions per weight - the kernel served then, `_int4_mm_kernel`). For 2+ rows
+the served kernel is now `_int4_mma_kernel`; `--forms served,old` profiles the older one beside
+it, `--forms served,mma16` the new one for one row too (as a 16-row tensor-core block).
 
     ncu -k regex:_int4 --section SpeedOfLight --section InstructionStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section Occupancy python3 bench/profile_int4_ncu.py [--n 18432 --k 2560]
@@ -31,7 +32,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=18432)
     p.add_argument("--k", type=int, default=2560)
     p.add_argument("--rows", default="16,1", help="comma-separated row counts, profiled in this order")
-    p.add_argument("--forms", default="served", help="comma-separated: served (the config Int4Linear picks), mma16 (_int4_mma_kernel)")
+    p.add_argument("--forms", default="served", help="comma-separated: served (the config Int4Linear picks), mma16 (_int4_mma_kernel), old (_int4_mm_kernel, QFD_INT4_MMA16=0)")
     args = p.parse_args()
     if not (torch.cuda.is_available() and int4_triton.available()):
         sys.exit("profile_int4_ncu.py needs CUDA and Triton")
@@ -46,8 +47,10 @@ def main() -> None:
                 cfg = served
             elif form == "mma16":
                 cfg = replace(served if served.use_dot else int4_triton.heuristic_config(16, args.n, args.k), mma16=True)
+            elif form == "old":
+                cfg = replace(served, mma16=False)
             else:
-                sys.exit(f"--forms: unknown form {form!r} (served, mma16)")
+                sys.exit(f"--forms: unknown form {form!r} (served, mma16, old)")
             for _ in range(3):
                 int4_triton.int4_matmul(x, packed, config=cfg)
             torch.cuda.synchronize()

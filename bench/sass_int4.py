@@ -101,8 +101,9 @@ _GEMV_ARGS = {name: _MM_ARGS[name] for name in _POINTERS} | {name: "i32" for nam
 
 def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: int = 128):
     """(label, kernel, runtime args, constants, config, weights per thread per loop trip) of the
-    forms worth comparing for this row count: the served one, and `_int4_mma_kernel`
-    (QFD_INT4_MMA16) for the tensor-core path (for one row: with 15 of 16 rows masked)."""
+    forms worth comparing for this row count: `_int4_mm_kernel` (served for one row; for 2+ rows
+    the older kernel, QFD_INT4_MMA16=0) and `_int4_mma_kernel` (served for 2+ rows; for one row
+    with 15 of 16 rows masked, QFD_INT4_MMA16=all)."""
     split = cfg.split_k
     base = dict(GROUP=group, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_K=split)
     if cfg.tiles and m == 1:
@@ -110,7 +111,7 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
                base | dict(BN=cfg.block_n, TILES=cfg.tiles, OFFSET_SUM=cfg.offset_sum, PDL=False), cfg, 128 * cfg.tiles * cfg.block_n)
     else:
         bm = cfg.block_m if cfg.use_dot else 1
-        yield ("served", int4_triton._int4_mm_kernel, _MM_ARGS,
+        yield ("old kernel" if cfg.use_dot else "served", int4_triton._int4_mm_kernel, _MM_ARGS,
                base | dict(BM=bm, BN=cfg.block_n, USE_DOT=cfg.use_dot, DOT_IEEE=False, MAGIC_BITS=0, MAGIC=0.0, PDL=False, W_FIRST=False),
                cfg, 128 * cfg.block_n)
     dot = cfg if cfg.use_dot else int4_triton.heuristic_config(16, n, k)

@@ -207,7 +207,9 @@ def test_magic_operand_matches_the_exact_operand(dtype, symmetric, rows, block_m
     packed = int4_triton.pack_for_triton(qw, device, scale_dtype=dtype)
     x = torch.randn(rows, 512, device=device).to(dtype)
     bias = torch.randn(96, device=device).to(dtype)
-    base = int4_triton.KernelConfig(use_dot=True, block_n=32, split_k=split_k, block_m=block_m, magic=False, w_first=w_first)
+    # pinned to `_int4_mm_kernel` (mma16=False): the magic operand is that kernel's, and 16-bit x
+    # goes to `_int4_mma_kernel` by default
+    base = int4_triton.KernelConfig(use_dot=True, block_n=32, split_k=split_k, block_m=block_m, magic=False, w_first=w_first, mma16=False)
     exact = int4_triton.int4_matmul(x, packed, bias, config=base)
     got = int4_triton.int4_matmul(x, packed, bias, config=int4_triton.KernelConfig(**{**vars(base), "magic": True}))
     reference = int4_triton.reference_matmul(x.float(), packed, bias.float())
@@ -234,7 +236,7 @@ def test_mma16_kernel_matches_the_exact_operand(dtype, symmetric, rows, block_m,
     packed = int4_triton.pack_for_triton(qw, device, scale_dtype=dtype)
     x = torch.randn(rows, k, device=device).to(dtype)
     bias = torch.randn(n, device=device).to(dtype)
-    base = int4_triton.KernelConfig(use_dot=True, block_n=32, split_k=split_k, block_m=block_m, magic=False, num_stages=2)
+    base = int4_triton.KernelConfig(use_dot=True, block_n=32, split_k=split_k, block_m=block_m, magic=False, num_stages=2, mma16=False)
     exact = int4_triton.int4_matmul(x, packed, bias, config=base)
     got = int4_triton.int4_matmul(x, packed, bias, config=int4_triton.KernelConfig(**{**vars(base), "mma16": True}))
     torch.testing.assert_close(got.float(), exact.float(), rtol=1e-2, atol=1e-2)
