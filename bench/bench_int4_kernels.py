@@ -268,7 +268,7 @@ def ab_variants(m: int, n: int, k: int):
         # the older tensor-core kernel (`_int4_mm_kernel`, the default before 2026-12-06: QFD_INT4_MMA16=0)
         # and its own variants, pinned to it: 16-bit x goes to `_int4_mma_kernel` by default
         old = replace(served, mma16=False)
-        yield "old kernel", old
+        yield "old", old
         yield "magic", replace(old, magic=True)
         # the weights as the dot's first operand (QFD_INT4_WFIRST=1), exact and magic, and with
         # two warpgroups
@@ -303,8 +303,8 @@ def ab_knobs(rows: list[dict], margin: float = 0.97) -> dict[str, int]:
         timed = [m for m in (16, 32) if total(m, label) is not None and total(m, than) is not None]
         return bool(timed) and sum(total(m, label) for m in timed) < margin * sum(total(m, than) for m in timed)
 
-    return {"QFD_INT4_MAGIC": int(faster("magic", "old kernel")), "QFD_INT4_BM32": int(not faster("bm16", "served")),
-            "QFD_INT4_MMA16": int(not faster("old kernel", "mma16"))}
+    return {"QFD_INT4_MAGIC": int(faster("magic", "old")), "QFD_INT4_BM32": int(not faster("bm16", "served")),
+            "QFD_INT4_MMA16": int(not faster("old", "mma16"))}
 
 
 def ab_table(rows: list[dict]) -> None:

@@ -18,12 +18,13 @@
 #                in torch - the path before the split-KV kernels: QFD_ATTENTION_KERNEL=torch), int4_pdl
 #                (fused, the INT4 kernels launched with programmatic dependent launch: QFD_INT4_PDL=1),
 #                int4_wfirst (fused, the INT4 tensor-core path with the weights as the dot's first operand:
-#                QFD_INT4_WFIRST=1), int4_mma16 (fused, the INT4 tensor-core path through _int4_mma_kernel:
-#                QFD_INT4_MMA16=1), int4_mma16_all (the same and one-row products through it: QFD_INT4_MMA16=all)
+#                QFD_INT4_WFIRST=1), int4_old (fused, 2+-row INT4 products through the older _int4_mm_kernel, the
+#                default before 2026-12-06: QFD_INT4_MMA16=0; the others run _int4_mma_kernel, int4_mma16 the same
+#                as fused), int4_mma16_all (one-row products through _int4_mma_kernel too: QFD_INT4_MMA16=all)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks;
-#                INT4_AB_FLAGS: more flags, e.g. "--ab-only mma16,dot+mma16" - labels without spaces)
+#                INT4_AB_FLAGS: more flags, e.g. "--ab-only old,dot+mma16" - labels without spaces)
 #   TREE=N       also a draft-tree verify of N tokens + keep per setting (bench_steps --tree N)
 #   STEPS_S      each run's time limit (default 150); the first run gets STEPS_FIRST_S (default
 #                STEPS_S + 120): on a fresh machine it compiles every kernel (and flash-linear-attention
@@ -37,7 +38,7 @@ limit=${STEPS_FIRST_S:-$(( ${STEPS_S:-150} + 120 ))}
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=0
+    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=1
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
     [ "$variant" = gdn_chunk_verify ] && verify=chunk
@@ -45,7 +46,8 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = attn_torch ] && attention=torch
     [ "$variant" = int4_pdl ] && pdl=1
     [ "$variant" = int4_wfirst ] && wfirst=1
-    [ "$variant" = int4_mma16 ] && mma16=1
+    [ "$variant" = int4_old ] && mma16=0
+    case $variant in magic*|int4_wfirst) mma16=0 ;; esac  # the older kernel's own options
     [ "$variant" = int4_mma16_all ] && mma16=all
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"

@@ -111,7 +111,7 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
                base | dict(BN=cfg.block_n, TILES=cfg.tiles, OFFSET_SUM=cfg.offset_sum, PDL=False), cfg, 128 * cfg.tiles * cfg.block_n)
     else:
         bm = cfg.block_m if cfg.use_dot else 1
-        yield ("old kernel" if cfg.use_dot else "served", int4_triton._int4_mm_kernel, _MM_ARGS,
+        yield ("old" if cfg.use_dot else "served", int4_triton._int4_mm_kernel, _MM_ARGS,
                base | dict(BM=bm, BN=cfg.block_n, USE_DOT=cfg.use_dot, DOT_IEEE=False, MAGIC_BITS=0, MAGIC=0.0, PDL=False, W_FIRST=False),
                cfg, 128 * cfg.block_n)
     dot = cfg if cfg.use_dot else int4_triton.heuristic_config(16, n, k)
