@@ -586,7 +586,8 @@ def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> K
         tuned = tuned_configs(_current_device_name(device.index if device.index is not None else torch.cuda.current_device()))
         cfg = tuned.get((rows_key, n, k))
         if cfg is not None:
-            # QFD_INT4_MMA16=0 holds for tuned entries too (the shipped tables were swept with it on)
+            # QFD_INT4_MMA16=0 holds for tuned entries too (the H100's 2-32-row entries were swept
+            # with the new kernel, so the older one then runs launch configs tuned for it, not for itself)
             return cfg if MMA16 or not cfg.mma16 else replace(cfg, mma16=False)
     return heuristic_config(m, n, k)
 
