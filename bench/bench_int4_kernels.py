@@ -17,12 +17,13 @@ gate+up, GDN qkv+z+b+a, attention q+k+v), the drafter's own and the 248K-row LM 
     python bench/bench_int4_kernels.py [--rows 1,16] [--sweep] [--hot] [--out int4_kernels.json]
     python bench/bench_int4_kernels.py --ab [--rows 1,16,32]   # the served config vs its variants
 
---ab times, per shape and row count, the config Int4Linear serves against the same launch with
-the 16-bit MAGIC + u weight operand (KernelConfig.magic), the weights as the dot's first
-operand (KernelConfig.w_first, also with the magic operand and with 8 warps),
-`_int4_mma_kernel` (KernelConfig.mma16: pipelined loads, the weight built in 16 bits; also for one row), programmatic
-dependent launch on Hopper (KernelConfig.pdl), the tensor-core path for one row, and for more
-than 16 rows one 32-row block instead of two 16-row ones (each dequantizes the weight).
+--ab times, per shape and row count, the config Int4Linear serves (for 2+ rows of 16-bit x
+`_int4_mma_kernel`, KernelConfig.mma16: pipelined loads, the weight built in 16 bits) against
+the same launch through the older `_int4_mm_kernel` ("old") and that kernel's own options - the
+16-bit MAGIC + u weight operand (KernelConfig.magic), the weights as the dot's first operand
+(KernelConfig.w_first, also with the magic operand and with 8 warps) - programmatic dependent
+launch on Hopper (KernelConfig.pdl), the tensor-core paths for one row, and for 17-32 rows two
+16-row blocks instead of one 32-row block (each dequantizes the weight).
 
 Needs CUDA (and Triton for the Triton rows).
 """
