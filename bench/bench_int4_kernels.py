@@ -118,7 +118,7 @@ def sweep_configs(m: int, grid: str = "full"):
             yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split)
     else:
         for bn, split, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (1, 2)):
-            yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages)
+            yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, block_m=block_m)
 
 
 def main() -> None:
@@ -186,9 +186,16 @@ def main() -> None:
                 return graph_time_us([lambda p=p: int4_triton.int4_matmul(x, p, config=cfg) for p in packs])
 
             row["triton_us"] = timed(None, "triton_rel_err")
-            row["triton_config"] = vars(int4_triton.pick_config(m, n, k))
+            row["triton_config"] = vars(int4_triton.pick_config(m, n, k, x.device))  # the config timed just above
             if args.ab:
-                row["variants"] = {label: {"us": timed(cfg, "rel_err"), "rel_err": row.pop("rel_err", None), **vars(cfg)} for label, cfg in ab_variants(m, n, k) if label == "served" or not ab_only or label in ab_only}
+                by_config: dict[int4_triton.KernelConfig, dict] = {}  # a variant that is the served config is timed once
+
+                def variant(cfg):
+                    if cfg not in by_config:
+                        by_config[cfg] = {"us": timed(cfg, "rel_err"), "rel_err": row.pop("rel_err", None)}
+                    return {**by_config[cfg], **vars(cfg)}
+
+                row["variants"] = {label: variant(cfg) for label, cfg in ab_variants(m, n, k) if label == "served" or not ab_only or label in ab_only}
             if args.sweep:
                 best = None
                 for cfg in sweep_configs(m, args.sweep_grid):
@@ -262,6 +269,8 @@ def main() -> None:
 def ab_variants(m: int, n: int, k: int):
     """(label, KernelConfig) of what --ab times against the served config (label "served")."""
     served = int4_triton.pick_config(m, n, k, torch.device("cuda"))
+    if served.use_dot and served.mma16 is None:  # the kernel it runs, named: the "mma16" or "old" variant is then the same config
+        served = replace(served, mma16=int4_triton.MMA16)
     yield "served", served
     if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch (QFD_INT4_PDL=1)
         yield "pdl", replace(served, pdl=True)
