@@ -94,12 +94,21 @@ def sweep_configs(m: int, grid: str = "full"):
     constants, so one device call can sweep every shape.
     grid "mma16": the "split" grid plus `_int4_mma_kernel` (KernelConfig.mma16) over outputs per
     program, splits and stages - for one row too, as a 16-row block - so the tuned table keeps,
-    per shape, whichever kernel is faster."""
+    per shape, whichever kernel is faster.
+    grid "gemv" (one row): the "split" grid plus `_int4_gemv_kernel` with offset-sum arithmetic
+    over outputs per program, K tiles per step and splits, and a few `_int4_mma_kernel` blocks."""
     block_m = 32 if m > 16 else 16  # 17-32 rows as one 32-row block, as the heuristic runs them
     if grid == "mma16":  # the served splits through the older kernel, named so the table records which won
         yield from (replace(c, mma16=False) if c.use_dot else c for c in sweep_configs(m, "split"))
         for bn, split, stages in itertools.product((64, 128), (2, 4, 8, 16), (2, 3)):
             yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, block_m=block_m, mma16=True)
+        return
+    if grid == "gemv":  # one row: the served splits and `_int4_gemv_kernel` (offset-sum arithmetic)
+        yield from sweep_configs(m, "split")
+        for (bn, tiles), split in itertools.product(((64, 1), (128, 1), (64, 2), (32, 2)), (2, 4, 8, 16)):
+            yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=4, tiles=tiles, offset_sum=True)
+        for bn, split in ((64, 4), (64, 8), (128, 4)):  # and `_int4_mma_kernel` as a 16-row block
+            yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=2, mma16=True)
         return
     if grid == "split":
         if m == 1:
@@ -126,7 +135,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,16", help="comma-separated row counts M")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--sweep", action="store_true", help="also try a grid of Triton launch configs per shape")
-    p.add_argument("--sweep-grid", choices=("full", "split", "mma16"), default="full", help="with --sweep: the full grid (GEMV kernel variants; compiles per config), the served kernel's splits only (fast), or those and _int4_mma_kernel's")
+    p.add_argument("--sweep-grid", choices=("full", "split", "mma16", "gemv"), default="full", help="with --sweep: the full grid (GEMV kernel variants; compiles per config), the served kernel's splits only (fast), those and _int4_mma_kernel's, or (one row) those and _int4_gemv_kernel's offset-sum configs")
     p.add_argument("--hot", action="store_true", help="time one weight copy (L2-resident) instead of cycling through HBM-sized copies")
     p.add_argument("--shapes", default="", help="comma-separated substrings: only the shapes whose name has one")
     p.add_argument("--write-tuned", nargs="?", const="", default=None, metavar="PATH",

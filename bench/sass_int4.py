@@ -108,7 +108,7 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
     base = dict(GROUP=group, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_K=split)
     if cfg.tiles and m == 1:
         yield ("served (gemv)", int4_triton._int4_gemv_kernel, _GEMV_ARGS,
-               base | dict(BN=cfg.block_n, TILES=cfg.tiles, OFFSET_SUM=cfg.offset_sum, PDL=False), cfg, 128 * cfg.tiles * cfg.block_n)
+               base | dict(BN=cfg.block_n, TILES=cfg.tiles, OFFSET_SUM=cfg.offset_sum, PDL=False, USE_ASM=True), cfg, 128 * cfg.tiles * cfg.block_n)
     else:
         bm = cfg.block_m if cfg.use_dot else 1
         yield ("old" if cfg.use_dot else "served", int4_triton._int4_mm_kernel, _MM_ARGS,
@@ -117,7 +117,7 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
     dot = cfg if cfg.use_dot else int4_triton.heuristic_config(16, n, k)
     yield ("mma16" if cfg.use_dot else "mma16 (16-row block)", int4_triton._int4_mma_kernel, _MM_ARGS,
            dict(GROUP=group, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_K=dot.split_k, BM=dot.block_m, BN=dot.block_n, MAGIC_BITS=0x4300, MAGIC=128.0,
-                EVEN_M=m % dot.block_m == 0, EVEN_N=n % dot.block_n == 0, EVEN_K=k % 128 == 0),
+                EVEN_M=m % dot.block_m == 0, EVEN_N=n % dot.block_n == 0, EVEN_K=k % 128 == 0, USE_ASM=True),
            replace(dot, mma16=True), 128 * dot.block_n)
 
 

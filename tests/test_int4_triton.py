@@ -37,6 +37,21 @@ def test_layout_round_trips_and_dequantizes_exactly(n, k, group, symmetric):
     assert torch.equal(int4_triton.dequantize_packed(packed), dequantize(qw, torch.float32))
 
 
+def test_a_words_nibbles_j_and_j_plus_4_are_k_neighbours():
+    """The layout's contract with `_int4_mma_kernel`: (word >> 4j) & 0x000F000F holds the codes of
+    k = 128t + 32j + 2p and k + 1 in its two 16-bit halves (row 16t + p, j < 4)."""
+    qw = weight(8, 256, 128)
+    packed = int4_triton.pack_for_triton(qw)
+    u = int4_triton.unpack_codes(packed)  # [N, K]
+    words = packed.qweight.to(torch.int64) & 0xFFFFFFFF
+    for t in range(2):
+        for p in range(16):
+            for j in range(4):
+                pair = (words[16 * t + p] >> (4 * j)) & 0x000F000F
+                k = 128 * t + 32 * j + 2 * p
+                assert torch.equal(pair & 0xF, u[:, k].to(torch.int64)) and torch.equal(pair >> 16, u[:, k + 1].to(torch.int64))
+
+
 def test_reference_matmul_is_the_dequantized_product():
     qw = weight(48, 384, 128)
     x = torch.randn(5, 384)
@@ -222,7 +237,8 @@ def test_magic_operand_matches_the_exact_operand(dtype, symmetric, rows, block_m
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("rows,block_m,group,split_k", [(1, 16, 128, 2), (2, 16, 128, 1), (16, 16, 128, 2), (32, 32, 64, 1), (40, 16, 256, 3), (16, 16, 32, 1)])
-def test_mma16_kernel_matches_the_exact_operand(dtype, symmetric, rows, block_m, group, split_k):
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_mma16_kernel_matches_the_exact_operand(dtype, symmetric, rows, block_m, group, split_k, block_n):
     """`_int4_mma_kernel` builds q - z exactly in x's 16-bit format: the same operand values as
     the fp32-built one, so the same product to the 16-bit output's rounding; K leaves a
     partial last tile for groups under 128 (x masked, padded codes at the zero point); 2 rows
@@ -236,7 +252,7 @@ def test_mma16_kernel_matches_the_exact_operand(dtype, symmetric, rows, block_m,
     packed = int4_triton.pack_for_triton(qw, device, scale_dtype=dtype)
     x = torch.randn(rows, k, device=device).to(dtype)
     bias = torch.randn(n, device=device).to(dtype)
-    base = int4_triton.KernelConfig(use_dot=True, block_n=32, split_k=split_k, block_m=block_m, magic=False, num_stages=2, mma16=False)
+    base = int4_triton.KernelConfig(use_dot=True, block_n=block_n, split_k=split_k, block_m=block_m, magic=False, num_stages=2, mma16=False)
     exact = int4_triton.int4_matmul(x, packed, bias, config=base)
     got = int4_triton.int4_matmul(x, packed, bias, config=int4_triton.KernelConfig(**{**vars(base), "mma16": True}))
     torch.testing.assert_close(got.float(), exact.float(), rtol=1e-2, atol=1e-2)

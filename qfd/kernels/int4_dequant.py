@@ -30,7 +30,7 @@ if HAVE_TRITON:
     @triton.jit
     def _int4_dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BN: tl.constexpr):
         """One program: K tile t (packed rows 16t..16t+15) x outputs [BN*pid_n, +BN), written as
-        rows k = 128t + 16j + p of out [K, N] (nibble j of packed row 16t + p)."""
+        rows k = 128t + 32 (j mod 4) + 2p + j // 4 of out [K, N] (nibble j of packed row 16t + p)."""
         t = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_p = tl.arange(0, 16)
@@ -38,8 +38,9 @@ if HAVE_TRITON:
         n_mask = offs_n < N
         words = tl.load(q_ptr + (t * 16 + offs_p)[:, None] * N + offs_n[None, :], mask=(offs_p[:, None] < 16) & n_mask[None, :], other=0)
         for j in tl.static_range(8):
-            if (j * 16) % GROUP == 0:  # a new group starts at this 16-row slice (GROUP is a multiple of 16)
-                g = (t * 128 + j * 16) // GROUP
+            # nibble j's rows lie in one group (GROUP is a multiple of 32); nibbles j and j + 4 share it
+            if (32 * (j % 4)) % GROUP == 0 and (j == 0 or GROUP < 128):
+                g = (t * 128 + 32 * (j % 4)) // GROUP
                 s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
                 if HAS_ZEROS:
                     z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
@@ -47,7 +48,7 @@ if HAVE_TRITON:
                     z = tl.full((BN,), 8.0, tl.float32)
             u = ((words >> (4 * j)) & 0xF).to(tl.float32)
             w = (u - z[None, :]) * s[None, :]
-            offs_k = t * 128 + j * 16 + offs_p
+            offs_k = t * 128 + 32 * (j % 4) + j // 4 + 2 * offs_p
             # int64 row offsets: K * N of a large head (2560 x 248K) nears int32's range
             ptrs = out_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :]
             tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=(offs_k < K)[:, None] & n_mask[None, :])
@@ -60,8 +61,8 @@ def dequantize_to(packed_qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
     if not HAVE_TRITON:
         raise RuntimeError("dequantize_to: triton is not installed (use int4_dequant_op, which falls back to torch)")
     g = int(group_size)
-    if g % 16 != 0 or (g < TILE_K and TILE_K % g != 0):
-        raise ValueError(f"dequantize_to: group size {g} must be a multiple of 16 dividing 128, or a multiple of 128")
+    if g % 32 != 0 or (g < TILE_K and TILE_K % g != 0):
+        raise ValueError(f"dequantize_to: group size {g} must be a multiple of 32 dividing 128, or a multiple of 128")
     k_pad, n = packed_qweight.shape[0] * 8, packed_qweight.shape[1]
     if not (0 < in_features <= k_pad) or k_pad % TILE_K != 0:
         raise ValueError(f"dequantize_to: packed qweight {tuple(packed_qweight.shape)} does not hold {in_features} inputs")

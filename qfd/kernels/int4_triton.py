@@ -2,14 +2,18 @@
 speculative verify (M = 16) row counts, correct for any M.
 
 Layout (`pack_for_triton`), chosen so every weight load is a coalesced, 16-byte-per-thread row
-of N int32 and the dequantized tile needs no register reshuffle:
+of N int32 and one mask-or turns a word into a pair of 16-bit weights adjacent in K:
   qweight [K_pad / 8, N] int32. K is cut into tiles of 128; tile t owns packed rows
           16t .. 16t+15. Bits 4j..4j+3 of row 16t + p, column n hold the code u of weight
-          (n, k = 128t + 16j + p): nibble j of a tile's 16 rows is the contiguous 16-wide
-          K slice [128t + 16j, 128t + 16j + 16), so one shift gives a ready [16, N] operand
-          for a K=16 tensor-core dot (M >= 2) or a CUDA-core FMA (M = 1).
+          (n, k = 128t + 32 (j mod 4) + 2p + j // 4): nibbles j and j + 4 (bits 4j and 4j + 16)
+          are the K neighbours 2p and 2p + 1 of the 32-wide slice j, so
+          ((word >> 4j) & 0x000F000F) | MAGIC is the pair as two 16-bit floats, the register
+          a tensor-core operand holds (`_int4_mma_kernel`); nibble j alone is a stride-2 K slice
+          of 16 (the CUDA-core paths).
   scales  [K_pad / g, N] (the QuantizedWeight's dtype), zeros [K_pad / g, N] uint8 or None.
   u = q + 8 for symmetric weights (zero point 8), u = q with per-group zeros otherwise.
+  Group sizes: multiples of 32 dividing 128, or multiples of 128 (a 32-wide slice never
+  straddles two groups).
 K is padded to a multiple of 128 (padded weights have u = z: they contribute 0; x is masked).
 
 Dequantization in registers: u | 0x4B000000 read as float is 2^23 + u exactly, so
@@ -73,8 +77,8 @@ def pack_for_triton(qweight: QuantizedWeight, device: torch.device | str | None 
     """QuantizedWeight (codes [N, K], scales/zeros [N, K/g]) -> TritonInt4Weight on `device`
     (default: the codes' device). Pure torch; raises ValueError for codes that do not fit a nibble."""
     g = int(qweight.group_size)
-    if g % 16 != 0 or (g < TILE_K and TILE_K % g != 0):
-        raise ValueError(f"pack_for_triton: group size {g} must be a multiple of 16 dividing 128, or a multiple of 128")
+    if g % 32 != 0 or (g < TILE_K and TILE_K % g != 0):
+        raise ValueError(f"pack_for_triton: group size {g} must be a multiple of 32 dividing 128, or a multiple of 128")
     codes = qweight.codes.to(torch.int32)
     n, k = codes.shape
     if k % g != 0 or qweight.scales.shape != (n, k // g):
@@ -98,11 +102,13 @@ def pack_for_triton(qweight: QuantizedWeight, device: torch.device | str | None 
         raise ValueError("pack_for_triton: codes outside the INT4 range (symmetric -8..7, zero-point 0..15)")
     if k_pad != k:
         u = torch.cat([u, torch.full((n, k_pad - k), pad_code, dtype=torch.int32, device=u.device)], 1)
-    # [N, K_pad] -> [N, T, 8 (j), 16 (p)] -> word [T, 16 (p), N] = sum_j u << 4j
-    u = u.reshape(n, k_pad // TILE_K, 8, 16)
+    # [N, K_pad] -> [N, T, 4 (slice j), 16 (p), 2 (e)], k = 128t + 32j + 2p + e
+    # -> word [T, 16 (p), N] = sum_(j, e) u << 4 (j + 4e)
+    u = u.reshape(n, k_pad // TILE_K, 4, 16, 2)
     words = torch.zeros(n, k_pad // TILE_K, 16, dtype=torch.int64, device=u.device)
-    for j in range(8):
-        words |= u[:, :, j, :].to(torch.int64) << (4 * j)
+    for j in range(4):
+        for e in range(2):
+            words |= u[:, :, j, :, e].to(torch.int64) << (4 * (j + 4 * e))
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # reinterpret as signed int32
     packed = words.permute(1, 2, 0).reshape(k_pad // 8, n).contiguous()
     scales = qweight.scales if scale_dtype is None else qweight.scales.to(scale_dtype)
@@ -127,7 +133,8 @@ def unpack_codes(packed: TritonInt4Weight) -> torch.Tensor:
     words = packed.qweight.to(torch.int64) & 0xFFFFFFFF  # [T*16, N]
     t = words.shape[0] // 16
     words = words.reshape(t, 16, -1)  # [T, p, N]
-    u = torch.stack([(words >> (4 * j)) & 0xF for j in range(8)], dim=1)  # [T, j, p, N]
+    nibble = [(words >> (4 * j)) & 0xF for j in range(8)]
+    u = torch.stack([torch.stack([nibble[j], nibble[j + 4]], dim=2) for j in range(4)], dim=1)  # [T, j, p, e, N]
     return u.reshape(t * TILE_K, -1).t()[:, : packed.in_features].to(torch.int32).contiguous()
 
 
@@ -266,17 +273,20 @@ if _HAVE_TRITON:
             p_cur = p_next
             # prefetch the next tile while this one is dequantized (two tiles in flight)
             p_next = tl.load(q_rows + (t + 1) * 16 * N, mask=q_mask & (zero_p + t + 1 < t1), other=0)
-            for j in tl.static_range(8):
-                k0 = t * 128 + j * 16
-                if (j * 16) % GROUP == 0:  # a new group starts at this K slice: its scale/zero
-                    g = k0 // GROUP
+            for i in tl.static_range(8):  # the tile's eight 16-wide K slices in K order
+                # slice i: k = 32 (i // 2) + i % 2 + 2p, nibble j = i // 2 + 4 (i % 2); a group starts at
+                # an even slice (16 i % GROUP == 0) and ends at an odd one (16 (i + 1) % GROUP == 0)
+                j = i // 2 + 4 * (i % 2)
+                k0 = t * 128 + 32 * (i // 2) + i % 2
+                if i % 2 == 0 and (16 * i) % GROUP == 0:  # a new group: its scale/zero
+                    g = (k0 - i % 2) // GROUP
                     s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
                     offset = MAGIC if MAGIC_BITS > 0 else 8388608.0  # 2^23 below
                     if HAS_ZEROS:
                         c = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + offset
                     else:
                         c = tl.full((BN,), 8.0, tl.float32) + offset
-                offs_k = k0 + offs_p
+                offs_k = k0 + 2 * offs_p
                 if USE_DOT:  # x's slice: [BM, 16], or [16, BM] (x.T) weights-first
                     xj = tl.load(x_ptr + _along_m(offs_m, W_FIRST) * stride_xm + _along_n(offs_k, W_FIRST),
                                  mask=_along_m(m_mask, W_FIRST) & _along_n(offs_k < K, W_FIRST), other=0.0)
@@ -286,31 +296,31 @@ if _HAVE_TRITON:
                         xs = tl.sum(xj.to(tl.float32), axis=0)
                     else:
                         xs = tl.sum(xj.to(tl.float32), axis=1)
-                    if (j * 16) % GROUP == 0:
+                    if i % 2 == 0 and (16 * i) % GROUP == 0:
                         part = _dot_slice(w, xj, None, W_FIRST, False)
                         xg = xs
                     else:
                         part = _dot_slice(w, xj, part, W_FIRST, False)
                         xg += xs
-                    if ((j + 1) * 16) % GROUP == 0 or j == 7:  # group (or tile) ends: offset off, scale
+                    if i % 2 == 1 and ((16 * (i + 1)) % GROUP == 0 or i == 7):  # group (or tile) ends: offset off, scale
                         acc += (part - _along_m(xg, W_FIRST) * _along_n(c, W_FIRST)) * _along_n(s, W_FIRST)
                 else:
                     bits = ((p_cur >> (4 * j)) & 0xF) | 0x4B000000
                     w = bits.to(tl.float32, bitcast=True) - _along_n(c, W_FIRST)  # exact q - z
                     if USE_DOT:
-                        if (j * 16) % GROUP == 0:
+                        if i % 2 == 0 and (16 * i) % GROUP == 0:
                             part = _dot_slice(w.to(x_dtype), xj, None, W_FIRST, DOT_IEEE)
                         else:
                             part = _dot_slice(w.to(x_dtype), xj, part, W_FIRST, DOT_IEEE)
-                        if ((j + 1) * 16) % GROUP == 0 or j == 7:  # group (or tile) ends: scale it
+                        if i % 2 == 1 and ((16 * (i + 1)) % GROUP == 0 or i == 7):  # group (or tile) ends: scale it
                             acc += part * _along_n(s, W_FIRST)
                     else:
                         xj = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                        if (j * 16) % GROUP == 0:
+                        if i % 2 == 0 and (16 * i) % GROUP == 0:
                             part = w * xj[:, None]
                         else:
                             part += w * xj[:, None]
-                        if ((j + 1) * 16) % GROUP == 0 or j == 7:
+                        if i % 2 == 1 and ((16 * (i + 1)) % GROUP == 0 or i == 7):
                             acc += part * s[None, :]
 
         if PDL:  # the next kernel may start its own weight loads now
@@ -334,41 +344,68 @@ if _HAVE_TRITON:
 if _HAVE_TRITON:
 
     @triton.jit
+    def _weight_pairs(words, MAGIC_BITS: tl.constexpr, USE_ASM: tl.constexpr):
+        """(words & 0x000F000F) | MAGIC_BITS in both halves: the two nibbles as MAGIC + u, two
+        16-bit floats in one register. USE_ASM: as one lop3 with both masks immediate - written
+        as Triton ops, ptxas spends two (LOP3 takes one immediate), and a runtime operand instead
+        makes Triton send the operand through shared memory. The interpreter runs the plain ops."""
+        if USE_ASM:
+            if MAGIC_BITS == 0x4300:  # bf16 128.0 in both halves: 0x43004300
+                return tl.inline_asm_elementwise("lop3.b32 $0, $1, 983055, 1124090624, 234;", "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
+            else:  # fp16 1024.0: 0x64006400
+                return tl.inline_asm_elementwise("lop3.b32 $0, $1, 983055, 1677747200, 234;", "=r,r", [words], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return (words & 0x000F000F) | (MAGIC_BITS * 65537)
+
+    @triton.jit
+    def _float_128_plus(placed, USE_ASM: tl.constexpr):
+        """The float32 128 + u for the nibble u at bits 16-19 of `placed` (mantissa bits of 128.0,
+        whose unit there is 1): (placed & 0x000F0000) | 0x43000000, one lop3 with USE_ASM (see
+        `_weight_pairs`)."""
+        if USE_ASM:
+            bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 983040, 1124073472, 234;", "=r,r", [placed], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            bits = (placed & 0x000F0000) | 0x43000000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _int4_mma_kernel(
         x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         M, N, K, KT, stride_xm, stride_ym,
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,
-        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+        EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
     ):
-        """The tensor-core path for 16-bit x (bf16 / fp16), in two changes from `_int4_mm_kernel`
-        read off its SASS (sm_90, compiled offline):
+        """The tensor-core path for 16-bit x (bf16 / fp16), built from its static SASS (sm_90,
+        compiled offline, bench/sass_int4.py):
         - each K tile's packed words are loaded inside the loop, so Triton's pipeliner stages them
-          through shared memory (cp.async) and reads them back already in the MMA operand's
-          register layout: the dequantized operand needs no shared-memory round trip and barrier
-          per 16-wide slice (the hand-prefetched form had 18 barriers per tile, this one 3);
-        - the weight is built exactly in x's 16-bit format: u | MAGIC_BITS is MAGIC + u (bf16
-          0x4300 = 128, fp16 0x6400 = 1024, integers exact there), minus MAGIC + z in the same
-          format (exact for z <= 128, the packed range) is q - z exactly, two weights per
-          paired subtract - no fp32 subtract and no fp32 -> 16-bit conversion per weight
-          (~3.9 instructions per weight against ~6.1).
+          through shared memory (cp.async);
+        - the weights are the dot's first operand, y.T [BN, BM] = w [BN, 32] @ x.T [32, BM] per
+          32-wide K slice: the outputs are the MMA's M (Hopper's warpgroup MMA, which takes that
+          operand from registers, where the weights are built) and the rows its N;
+        - one mask-or per packed word gives two weights as MAGIC + u in x's 16-bit format (bf16
+          0x4300 = 128, fp16 0x6400 = 1024: integers exact there), a K-adjacent pair already in
+          the register layout the MMA operand wants (`pack_for_triton`); one paired subtract of
+          MAGIC + z (exact for z <= 128, the packed range) leaves q - z exactly: ~2.7-3.4
+          instructions per weight in the loop, against ~4-4.5 for the form that built one
+          weight per op and paired them by permutes.
         Group scales multiply each group's fp32 partial sum, as in `_int4_mm_kernel`.
-        EVEN_M / EVEN_N / EVEN_K (M % BM, N % BN, K % 128 all zero): the loads go unmasked; the
-        masks cost 0.5-1.1 instructions per weight in the loop (static SASS count)."""
+        EVEN_M / EVEN_N / EVEN_K (M % BM, N % BN, K % 128 all zero): the loads go unmasked."""
         pid_n, pid_k, pid_m, offs_n, n_mask, offs_m, m_mask, t0, t1 = _program_block(M, N, KT, BM, BN, SPLIT_K)
         offs_p = tl.arange(0, 16)
+        offs_r = tl.arange(0, 32)
         x_dtype = x_ptr.dtype.element_ty
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        q_rows = q_ptr + offs_p[:, None] * N + offs_n[None, :]
-        q_mask = (offs_p[:, None] < 16) & n_mask[None, :]
+        acc = tl.zeros((BN, BM), dtype=tl.float32)  # y.T
+        q_cols = q_ptr + offs_p[None, :] * N + offs_n[:, None]  # a tile's 16 packed rows as [BN, 16]
+        q_mask = n_mask[:, None] & (offs_p[None, :] < 16)
         for t in range(t0, t1):
             if EVEN_N:
-                words = tl.load(q_rows + t * 16 * N)
+                words = tl.load(q_cols + t * 16 * N)
             else:
-                words = tl.load(q_rows + t * 16 * N, mask=q_mask, other=0)
-            for j in tl.static_range(8):
-                k0 = t * 128 + j * 16
-                if (j * 16) % GROUP == 0:  # a new group starts at this K slice: its scale, its MAGIC + z
+                words = tl.load(q_cols + t * 16 * N, mask=q_mask, other=0)
+            for j in tl.static_range(4):  # 32-wide K slices
+                k0 = t * 128 + 32 * j
+                if (32 * j) % GROUP == 0:  # a new group starts at this slice: its scale, its MAGIC + z
                     g = k0 // GROUP
                     if EVEN_N:
                         s = tl.load(s_ptr + g * N + offs_n).to(tl.float32)
@@ -378,24 +415,27 @@ if _HAVE_TRITON:
                         c = (tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32) + MAGIC).to(x_dtype)
                     else:
                         c = tl.full((BN,), MAGIC + 8.0, x_dtype)
-                offs_k = k0 + offs_p
-                x_tile = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+                pairs = _weight_pairs(words >> (4 * j), MAGIC_BITS, USE_ASM)  # [BN, 16]: k = 2p, 2p + 1 of the slice
+                low = pairs.to(tl.int16).to(x_dtype, bitcast=True)
+                high = (pairs >> 16).to(tl.int16).to(x_dtype, bitcast=True)
+                w = tl.reshape(tl.join(low, high), (BN, 32)) - c[:, None]  # exact q - z, column 2p + e = k0 + 2p + e
+                offs_k = k0 + offs_r
+                x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x.T's slice [32, BM]
                 if EVEN_M and EVEN_K:
-                    xj = tl.load(x_tile)
+                    xj = tl.load(x_cols)
                 elif EVEN_M:
-                    xj = tl.load(x_tile, mask=(offs_k < K)[None, :], other=0.0)
+                    xj = tl.load(x_cols, mask=(offs_k < K)[:, None], other=0.0)
                 elif EVEN_K:
-                    xj = tl.load(x_tile, mask=m_mask[:, None], other=0.0)
+                    xj = tl.load(x_cols, mask=m_mask[None, :], other=0.0)
                 else:
-                    xj = tl.load(x_tile, mask=m_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-                w = (((words >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.int16).to(x_dtype, bitcast=True) - c[None, :]  # exact q - z
-                if (j * 16) % GROUP == 0:
-                    part = tl.dot(xj, w)
+                    xj = tl.load(x_cols, mask=m_mask[None, :] & (offs_k < K)[:, None], other=0.0)
+                if (32 * j) % GROUP == 0:
+                    part = tl.dot(w, xj)
                 else:
-                    part = tl.dot(xj, w, part)
-                if ((j + 1) * 16) % GROUP == 0 or j == 7:  # group (or tile) ends: scale it
-                    acc += part * s[None, :]
-        _write_out(acc, offs_m, offs_n, m_mask[:, None] & n_mask[None, :], n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, stride_ym, M, N,
+                    part = tl.dot(w, xj, part)
+                if (32 * (j + 1)) % GROUP == 0 or j == 3:  # group (or tile) ends: scale it
+                    acc += part * s[:, None]
+        _write_out(tl.trans(acc), offs_m, offs_n, m_mask[:, None] & n_mask[None, :], n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, stride_ym, M, N,
                    pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
 
 
@@ -407,6 +447,7 @@ if _HAVE_TRITON:
         N, K, KT,
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BN: tl.constexpr, TILES: tl.constexpr, SPLIT_K: tl.constexpr, OFFSET_SUM: tl.constexpr, PDL: tl.constexpr,
+        USE_ASM: tl.constexpr,
     ):
         """One row (decode): outputs [BN*pid_n, +BN) x the K steps of split pid_k, a step being
         TILES whole K tiles (16*TILES contiguous packed rows: one [16*TILES, BN] load). Needs
@@ -415,10 +456,11 @@ if _HAVE_TRITON:
         Per weight: a shift and a mask-or give a float, one FMA accumulates it; group scales
         multiply each step's partial sums, one reduction over rows at the end.
         OFFSET_SUM=False: w = (2^23 + u) - (2^23 + z), exact q - z, as `_int4_mm_kernel`.
-        OFFSET_SUM=True: f = 1 + u/16 (the nibble placed at the top of the mantissa), no
-        subtract per weight; sum f x = X + (sum u x)/16 with X = sum x over the tile, so
-        y = 16 * sum s f x - sum_t s_t (16 + z_t) X_t. One ALU op less per weight, at the
-        cost of a cancellation (fp32 error ~1e-6 of sum |x|, far below bf16's rounding)."""
+        OFFSET_SUM=True: f = 128 + u (the nibble placed at mantissa bits 16-19 of 128.0, one
+        mask-or: `_float_128_plus`), no subtract per weight; sum f x = 128 X + sum u x with
+        X = sum x over the tile, so y = sum s f x - sum_t s_t (128 + z_t) X_t. One ALU op less
+        per weight, at the cost of a cancellation (~4 bits of fp32's 24, far below bf16's
+        rounding)."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         R: tl.constexpr = 16 * TILES
@@ -448,14 +490,14 @@ if _HAVE_TRITON:
             part = tl.zeros((R, BN), dtype=tl.float32)
             xsum = tl.zeros((R,), dtype=tl.float32)
             for j in tl.static_range(8):
-                offs_k = t_rows * 128 + j * 16 + offs_r % 16
+                offs_k = t_rows * 128 + 32 * (j % 4) + j // 4 + 2 * (offs_r % 16)
                 xj = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
                 if OFFSET_SUM:
-                    if 4 * j <= 19:
-                        placed = words << (19 - 4 * j)
+                    if 4 * j <= 16:
+                        placed = words << (16 - 4 * j)
                     else:
-                        placed = words >> (4 * j - 19)
-                    f = ((placed & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)  # 1 + u/16
+                        placed = words >> (4 * j - 16)
+                    f = _float_128_plus(placed, USE_ASM)  # 128 + u
                     xsum += xj
                 else:
                     f = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - c
@@ -472,12 +514,12 @@ if _HAVE_TRITON:
                     z_t = tl.load(z_ptr + g_ids[:, None] * N + offs_n[None, :], mask=t_mask, other=0).to(tl.float32)
                 else:
                     z_t = 8.0
-                corr += tl.sum(s_t * (16.0 + z_t) * x_tiles[:, None], axis=0)
+                corr += tl.sum(s_t * (128.0 + z_t) * x_tiles[:, None], axis=0)
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         out = tl.sum(acc, axis=0)
         if OFFSET_SUM:
-            out = 16.0 * out - corr
+            out = out - corr
         row = tl.arange(0, 1)
         _write_out(out[None, :], row, offs_n, (row < 1)[:, None] & n_mask[None, :], n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, 1, N,
                    pid_n, pid_k, SPLIT_K, HAS_BIAS)
@@ -647,7 +689,7 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
         magic_bits, magic_value = _MAGIC[x.dtype]
         _int4_mma_kernel[(grid_n, split, grid_m)](
             *operands, **shared, MAGIC_BITS=magic_bits, MAGIC=magic_value,
-            EVEN_M=m % bm == 0, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % TILE_K == 0,
+            EVEN_M=m % bm == 0, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % TILE_K == 0, USE_ASM=not interpreting(),
         )
         return y.reshape(*lead, n)
     magic = cfg.use_dot and (MAGIC_DOT if cfg.magic is None else cfg.magic) and x.dtype in _MAGIC
@@ -675,7 +717,7 @@ def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, 
         bias if bias is not None else packed.scales, y, ws, packed.counters,
         n, packed.in_features, packed.qweight.shape[0] // 16,
         GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
-        BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, OFFSET_SUM=cfg.offset_sum, PDL=pdl,
+        BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, OFFSET_SUM=cfg.offset_sum, PDL=pdl, USE_ASM=not interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return y
