@@ -570,13 +570,13 @@ PDL_LAUNCH = os.environ.get("QFD_INT4_PDL", "0") == "1"
 # fourteenth session): 0.95x at 16 rows, 1.06x at 32 (kernel level only) - the orientation is not
 # the bottleneck, so it stays off.
 W_FIRST_DOT = os.environ.get("QFD_INT4_WFIRST", "0") == "1"
-# The tensor-core path through `_int4_mma_kernel` (pipelined loads, the weight built exactly in
-# x's 16-bit format) for 16-bit x. On by default for products of 2 rows and more: measured
-# (H100, docs/benchmarks.md 2026-12-06 sixteenth session) 1.17x at 16 rows and 1.21x at 32,
-# summed over the fused + drafter shapes (the 248320-row LM head 1.17x / 1.21x), and the INT4
-# target's graphed verify 3% faster, a 32-node tree verify 4%. QFD_INT4_MMA16=0 restores the
-# old kernel; QFD_INT4_MMA16=all also sends one-row products (the decode) through it as a
-# 16-row block, which lost there (0.88x summed, the decode step 3% slower).
+# The tensor-core path through `_int4_mma_kernel` (pipelined loads, two weights per lop3 as the
+# warpgroup MMA's register operand) for 16-bit x. On by default for products of 2 rows and more:
+# its first form measured 1.17x at 16 rows and 1.21x at 32 over `_int4_mm_kernel` (H100,
+# docs/benchmarks.md 2026-12-06 sixteenth session); the paired-nibble form another 1.03-1.06x /
+# up to 1.24x at the same launch configs of 64 outputs per program (H200, seventeenth session).
+# QFD_INT4_MMA16=0 restores the old kernel; QFD_INT4_MMA16=all also sends one-row products (the
+# decode) through it as a 16-row block, which lost there in its first form (0.88x summed).
 _MMA16_KNOB = os.environ.get("QFD_INT4_MMA16", "1")
 MMA16 = _MMA16_KNOB in ("1", "all")
 MMA16_ONE_ROW = _MMA16_KNOB == "all"
@@ -635,15 +635,18 @@ def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> K
 
 
 def heuristic_config(m: int, n: int, k: int) -> KernelConfig:
-    """Launch config read off the H200 sweep of bench/bench_int4_kernels.py --sweep at
-    Qwen3.5-4B's shapes (docs/benchmarks.md, 2026-12-04 fifth session; L2-hot weights): one
-    row - 64 outputs per program, K split 8 ways; 16 rows - 128/64/32 outputs per program for
-    N >= 4096 / >= 2048 / below, K split 4 / 8 / 8, two pipeline stages."""
+    """Launch config for shapes without a tuned entry. One row, read off the H200 sweep of
+    bench/bench_int4_kernels.py --sweep at Qwen3.5-4B's shapes (docs/benchmarks.md, 2026-12-04
+    fifth session; L2-hot weights): 64 outputs per program, K split 8. 2+ rows, from the H200
+    sweep of the paired-nibble `_int4_mma_kernel` (2026-12-06, seventeenth session): 64 outputs
+    per program, three pipeline stages, K split 4 for N >= 4096 (the sweep's best single config
+    over its shapes at 16 and at 32 rows); 128 outputs per program lost there to the registers
+    they take (0.74-0.86x at the same splits); below 2048 outputs, 32 and K split 8."""
     kt = -(-k // TILE_K)
     if m == 1:
         cfg = KernelConfig(use_dot=False, block_n=64, split_k=8)
     elif n >= 4096:
-        cfg = KernelConfig(use_dot=True, block_n=128, split_k=4, num_stages=2)
+        cfg = KernelConfig(use_dot=True, block_n=64, split_k=4, num_stages=3)
     else:
         cfg = KernelConfig(use_dot=True, block_n=64 if n >= 2048 else 32, split_k=8, num_stages=2)
     split = cfg.split_k
