@@ -108,11 +108,12 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
     base = dict(GROUP=group, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_K=split)
     if cfg.tiles and m == 1:
         yield ("served (gemv)", int4_triton._int4_gemv_kernel, _GEMV_ARGS,
-               base | dict(BN=cfg.block_n, TILES=cfg.tiles, OFFSET_SUM=cfg.offset_sum, PDL=False, USE_ASM=True), cfg, 128 * cfg.tiles * cfg.block_n)
+               base | dict(BN=cfg.block_n, TILES=cfg.tiles, OFFSET_SUM=cfg.offset_sum, PDL=False, USE_ASM=True,
+                           EVEN_K=k % 128 == 0 and (-(-k // 128)) % cfg.tiles == 0), cfg, 128 * cfg.tiles * cfg.block_n)
     else:
         bm = cfg.block_m if cfg.use_dot else 1
         yield ("old" if cfg.use_dot else "served", int4_triton._int4_mm_kernel, _MM_ARGS,
-               base | dict(BM=bm, BN=cfg.block_n, USE_DOT=cfg.use_dot, DOT_IEEE=False, MAGIC_BITS=0, MAGIC=0.0, PDL=False, W_FIRST=False),
+               base | dict(BM=bm, BN=cfg.block_n, USE_DOT=cfg.use_dot, DOT_IEEE=False, MAGIC_BITS=0, MAGIC=0.0, PDL=False, W_FIRST=False, EVEN_K=k % 128 == 0),
                cfg, 128 * cfg.block_n)
     dot = cfg if cfg.use_dot else int4_triton.heuristic_config(16, n, k)
     yield ("mma16" if cfg.use_dot else "mma16 (16-row block)", int4_triton._int4_mma_kernel, _MM_ARGS,
