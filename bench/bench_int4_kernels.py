@@ -100,8 +100,10 @@ def sweep_configs(m: int, grid: str = "full"):
     block_m = 32 if m > 16 else 16  # 17-32 rows as one 32-row block, as the heuristic runs them
     if grid == "mma16":  # the served splits through the older kernel, named so the table records which won
         yield from (replace(c, mma16=False) if c.use_dot else c for c in sweep_configs(m, "split"))
-        for bn, split, stages in itertools.product((64, 128), (2, 4, 8, 16), (2, 3)):
-            yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, block_m=block_m, mma16=True)
+        # 128 outputs on 4 warps (fewest instructions per weight, 157-191 registers) and on 8
+        # (two warpgroups: 64 each, the registers of 64 on 4 warps)
+        for (bn, warps), split, stages in itertools.product(((64, 4), (128, 4), (128, 8)), (2, 4, 8, 16), (2, 3)):
+            yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=warps, num_stages=stages, block_m=block_m, mma16=True)
         return
     if grid == "gemv":  # one row: the served splits and `_int4_gemv_kernel` (offset-sum arithmetic)
         yield from sweep_configs(m, "split")
