@@ -93,7 +93,7 @@ def sweep_configs(m: int, grid: str = "full"):
     (one row) or splits and stages (16 rows): ~56 compiles in all, as N and K are not compile-time
     constants, so one device call can sweep every shape.
     grid "mma16": the "split" grid plus `_int4_mma_kernel` (KernelConfig.mma16) over outputs per
-    program, splits and stages - for one row too, as a 16-row block - so the tuned table keeps,
+    program (64 on 4 warps, 128 on 4 or 8), splits and stages - for one row too, as a 16-row block - so the tuned table keeps,
     per shape, whichever kernel is faster.
     grid "gemv" (one row): the "split" grid plus `_int4_gemv_kernel` with offset-sum arithmetic
     over outputs per program, K tiles per step and splits, and a few `_int4_mma_kernel` blocks."""
