@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 
 from qfd.kernels import HAVE_TRITON, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
-from qfd.kernels.int4_triton import TILE_K, TritonInt4Weight, dequantize_packed
+from qfd.kernels.int4_triton import TILE_K, TritonInt4Weight, check_group_size, dequantize_packed
 
 BLOCK_N = 128  # outputs per program: a [16, 128] int32 block in, 128 rows x 256 bytes (bf16) out
 NUM_WARPS = 4
 
 if HAVE_TRITON:
+    from qfd.kernels.int4_triton import _nibble_k
 
     @triton.jit
     def _int4_dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BN: tl.constexpr):
@@ -48,7 +49,7 @@ if HAVE_TRITON:
                     z = tl.full((BN,), 8.0, tl.float32)
             u = ((words >> (4 * j)) & 0xF).to(tl.float32)
             w = (u - z[None, :]) * s[None, :]
-            offs_k = t * 128 + 32 * (j % 4) + j // 4 + 2 * offs_p
+            offs_k = t * 128 + _nibble_k(j) + 2 * offs_p
             # int64 row offsets: K * N of a large head (2560 x 248K) nears int32's range
             ptrs = out_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :]
             tl.store(ptrs, w.to(out_ptr.dtype.element_ty), mask=(offs_k < K)[:, None] & n_mask[None, :])
@@ -61,8 +62,7 @@ def dequantize_to(packed_qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
     if not HAVE_TRITON:
         raise RuntimeError("dequantize_to: triton is not installed (use int4_dequant_op, which falls back to torch)")
     g = int(group_size)
-    if g % 32 != 0 or (g < TILE_K and TILE_K % g != 0):
-        raise ValueError(f"dequantize_to: group size {g} must be a multiple of 32 dividing 128, or a multiple of 128")
+    check_group_size(g, "dequantize_to")
     k_pad, n = packed_qweight.shape[0] * 8, packed_qweight.shape[1]
     if not (0 < in_features <= k_pad) or k_pad % TILE_K != 0:
         raise ValueError(f"dequantize_to: packed qweight {tuple(packed_qweight.shape)} does not hold {in_features} inputs")

@@ -73,12 +73,19 @@ class TritonInt4Weight:
         return self.qweight.numel() * 4 + self.scales.numel() * self.scales.element_size() + z
 
 
+def check_group_size(group_size: int, who: str) -> None:
+    """ValueError unless the layout takes this group size: a multiple of 32 dividing 128 (a
+    32-wide slice, a nibble pair's span, never straddles two groups) or a multiple of 128."""
+    g = int(group_size)
+    if g % 32 != 0 or (g < TILE_K and TILE_K % g != 0):
+        raise ValueError(f"{who}: group size {g} must be a multiple of 32 dividing 128, or a multiple of 128")
+
+
 def pack_for_triton(qweight: QuantizedWeight, device: torch.device | str | None = None, scale_dtype: torch.dtype | None = None) -> TritonInt4Weight:
     """QuantizedWeight (codes [N, K], scales/zeros [N, K/g]) -> TritonInt4Weight on `device`
     (default: the codes' device). Pure torch; raises ValueError for codes that do not fit a nibble."""
     g = int(qweight.group_size)
-    if g % 32 != 0 or (g < TILE_K and TILE_K % g != 0):
-        raise ValueError(f"pack_for_triton: group size {g} must be a multiple of 32 dividing 128, or a multiple of 128")
+    check_group_size(g, "pack_for_triton")
     codes = qweight.codes.to(torch.int32)
     n, k = codes.shape
     if k % g != 0 or qweight.scales.shape != (n, k // g):
@@ -159,6 +166,12 @@ def reference_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tens
 # --------------------------------------------------------------------------- kernel
 
 if _HAVE_TRITON:
+
+    @triton.jit
+    def _nibble_k(j):
+        """K offset within its 128-wide tile of nibble j's first weight (packed row 0): nibble j
+        of packed row p holds k = 32 (j mod 4) + j // 4 + 2p (`pack_for_triton`)."""
+        return 32 * (j % 4) + j // 4
 
     @triton.jit
     def _write_out(out, out_m, offs_n, out_mask, n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, stride_ym, M, N, tile_id, pid_k,
@@ -278,7 +291,7 @@ if _HAVE_TRITON:
                 # slice i: k = 32 (i // 2) + i % 2 + 2p, nibble j = i // 2 + 4 (i % 2); a group starts at
                 # an even slice (16 i % GROUP == 0) and ends at an odd one (16 (i + 1) % GROUP == 0)
                 j = i // 2 + 4 * (i % 2)
-                k0 = t * 128 + 32 * (i // 2) + i % 2
+                k0 = t * 128 + _nibble_k(j)
                 if i % 2 == 0 and (16 * i) % GROUP == 0:  # a new group: its scale/zero
                     g = (k0 - i % 2) // GROUP
                     s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -494,7 +507,7 @@ if _HAVE_TRITON:
             part = tl.zeros((R, BN), dtype=tl.float32)
             xsum = tl.zeros((R,), dtype=tl.float32)
             for j in tl.static_range(8):
-                offs_k = t_rows * 128 + 32 * (j % 4) + j // 4 + 2 * (offs_r % 16)
+                offs_k = t_rows * 128 + _nibble_k(j) + 2 * (offs_r % 16)
                 if EVEN_K:  # K % 128 == 0 and whole steps: every row lies inside x
                     xj = tl.load(x_ptr + offs_k).to(tl.float32)
                 else:
