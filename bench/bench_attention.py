@@ -10,6 +10,7 @@ between two attention layers). Prints a table, the fastest config per rows-per-p
 QFD_ATTENTION_CONFIG line, and writes JSON.
 
     python bench/bench_attention.py [--keys 8704,512] [--out bench_attention.json]
+    python bench/bench_attention.py --keys 8704 --filled 200,2100,8600   # the step's key count A/B
 """
 
 from __future__ import annotations
@@ -46,9 +47,35 @@ def step_inputs(tokens: int, keys: int, copies: int):
     return q, caches, mask
 
 
+def key_count_ab(keys: int, fills: list[int], results: dict, out: Path) -> None:
+    """The served config at a static cache of `keys` slots with `filled` of them written: the
+    kernels given the step's key count (served) against the same call without it (every slot
+    read, the tail masked), side by side; outputs checked equal."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"step attention with a partly filled {keys}-slot cache, us per layer ({results['device']}, HBM-streamed K/V)")
+    for col in ("step", "filled", "whole buffer", "filled keys only", "speedup", "max |diff|"):
+        table.add_column(col, justify="right")
+    for filled in fills:
+        for name, tokens in STEPS:
+            q, caches, _ = step_inputs(tokens, keys, copies_for(2 * KV_HEADS * keys * HEAD_DIM * 2, hot=False))
+            positions = torch.arange(filled - tokens, filled, device="cuda")
+            mask = torch.arange(keys, device="cuda")[None, :] <= positions[:, None]
+            count = positions[-1:] + 1
+            diff = (attention_triton.split_attention(q, *caches[0], mask).float() - attention_triton.split_attention(q, *caches[0], mask, count).float()).abs().max().item()
+            whole = graph_time_us([lambda k=k, v=v: attention_triton.split_attention(q, k, v, mask) for k, v in caches])
+            live = graph_time_us([lambda k=k, v=v: attention_triton.split_attention(q, k, v, mask, count) for k, v in caches])
+            results["rows"].append({"step": name, "keys": keys, "filled": filled, "whole_buffer_us": whole, "key_count_us": live, "max_abs_diff": diff})
+            table.add_row(name, str(filled), f"{whole:.1f}", f"{live:.1f}", f"{whole / live:.2f}x", f"{diff:.2g}")
+    Console().print(table)
+    out.write_text(json.dumps(results, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--keys", default="8704,512", help="static cache lengths (long setting: 8704)")
+    p.add_argument("--filled", default="", help="comma-separated filled lengths (e.g. 200,2100): only time the served config at the largest --keys cache with those keys filled, reading the filled keys (the step's key count) against the whole buffer under the mask")
     p.add_argument("--out", type=Path, default=Path("bench_attention.json"))
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -57,6 +84,8 @@ def main() -> None:
     from rich.table import Table
 
     results = {"device": torch.cuda.get_device_name(), "shape": [HEADS, KV_HEADS, HEAD_DIM], "rows": []}
+    if args.filled:
+        return key_count_ab(max(int(k) for k in args.keys.split(",")), [int(f) for f in args.filled.split(",")], results, args.out)
     table = Table(title=f"step attention, us per layer ({results['device']}, {HEADS}/{KV_HEADS} heads of {HEAD_DIM}, HBM-streamed K/V)")
     for col in ("step", "keys", "torch", "kernel (best config)", "torch / kernel", "best (keys, warps, stages)"):
         table.add_column(col, justify="right")

@@ -119,6 +119,37 @@ def test_kernel_matches_the_reference(B, H, KVH, T, S, D, kind, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "T,S,filled,kind",
+    [
+        (1, 300, 5, "decode"),  # the live keys in one block of one split
+        (1, 300, 200, "decode"),
+        (16, 260, 40, "verify"),
+        (9, 290, 120, "tree"),
+        (1, 300, 300, "decode"),  # a full cache: the count changes nothing
+    ],
+)
+def test_the_kernels_read_only_the_keys_before_the_count(T, S, filled, kind, monkeypatch):
+    """key_count = the step's last slot + 1: the cache's tail from there on is not read. NaN
+    there would reach the output through the values' product were it read (0 * NaN = NaN)."""
+    from qfd import kernels
+
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    q, k, v, _ = attention_inputs(1, 8, 2, T, S, 64, "decode", device=KERNEL_DEVICE)
+    positions = torch.arange(filled - T, filled, device=q.device)
+    mask = torch.arange(S, device=q.device)[None, :] <= positions[:, None]
+    if kind == "tree":
+        mask[:, filled - T : filled] = torch.ones(T, T, dtype=torch.bool).tril()
+    expected = reference_attention(q, k, v, mask)
+    k[:, :, filled:], v[:, :, filled:] = float("nan"), float("nan")
+    out = attention_triton.split_attention(q, k, v, mask, positions[-1:] + 1)
+    assert not kernels._FAILED
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    if filled < S:  # without the count the kernels read the whole buffer: the NaN shows
+        assert attention_triton.split_attention(q, k, v, mask).isnan().any()
+
+
+@needs_triton
 @pytest.mark.parametrize("T,kind", [(1, "decode"), (16, "verify"), (32, "tree")])
 def test_kernel_in_bf16_on_a_gpu(T, kind, monkeypatch):
     """Qwen3.5-4B's attention heads over an 8.5K static cache, as the steps run them."""

@@ -76,16 +76,27 @@ def takes(q: torch.Tensor) -> bool:
 if _HAVE_TRITON:
 
     @triton.jit
+    def _live_keys(count_ptr, S, SPLITS, HAS_COUNT: tl.constexpr, BS: tl.constexpr):
+        """(keys that can be visible, keys per split): the step's key count where the caller
+        gave one (a static cache's unfilled tail is skipped, not read under the mask), else
+        the whole buffer; the live keys spread over the SPLITS splits in whole BS blocks."""
+        n = S
+        if HAS_COUNT:
+            n = tl.minimum(tl.load(count_ptr).to(tl.int32), S)
+        return n, tl.cdiv(tl.cdiv(n, BS), SPLITS) * BS
+
+    @triton.jit
     def _split_kernel(
-        q_ptr, k_ptr, v_ptr, mask_ptr, acc_ptr, ml_ptr,
-        T, S, R, KVH, GROUP, SPLITS, keys_per_split, scale,
+        q_ptr, k_ptr, v_ptr, mask_ptr, count_ptr, acc_ptr, ml_ptr,
+        T, S, R, KVH, GROUP, SPLITS, scale,
         sq_b, sq_h, sq_t, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sm_t,
-        D: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr,
+        D: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, HAS_COUNT: tl.constexpr,
     ):
         """Program (b * KVH + kv head, row block, split): rows [BR*pid_r, +BR) of the kv head's
         R = GROUP * T query rows (row r: query head kvh * GROUP + r // T, token r % T) against
-        keys [keys_per_split * pid_s, +keys_per_split). Writes the unnormalised weighted values
-        [BR, D] and the running max and sum of each row (float32)."""
+        its split of the live keys (`_live_keys`). Writes the unnormalised weighted values
+        [BR, D] and the running max and sum of each row (float32); a split past the live keys
+        writes nothing (the merge skips it)."""
         pid_bh = tl.program_id(0)
         b = pid_bh // KVH
         kvh = pid_bh % KVH
@@ -99,8 +110,9 @@ if _HAVE_TRITON:
         m = tl.full((BR,), -1e30, dtype=tl.float32)  # finite: a slice with no visible key gives p = 0, not NaN
         l = tl.zeros((BR,), dtype=tl.float32)
         acc = tl.zeros((BR, D), dtype=tl.float32)
+        live, keys_per_split = _live_keys(count_ptr, S, SPLITS, HAS_COUNT, BS)
         s0 = pid_s * keys_per_split
-        s1 = tl.minimum(s0 + keys_per_split, S)
+        s1 = tl.minimum(s0 + keys_per_split, live)
         for start in range(s0, s1, BS):
             offs_s = start + tl.arange(0, BS)
             s_mask = offs_s < s1
@@ -122,26 +134,28 @@ if _HAVE_TRITON:
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
         slot = (pid_bh * SPLITS + pid_s) * R + rows
+        r_mask = r_mask & (s0 < live)
         tl.store(acc_ptr + slot[:, None] * D + offs_d[None, :], acc, mask=r_mask[:, None])
         tl.store(ml_ptr + slot * 2, m, mask=r_mask)
         tl.store(ml_ptr + slot * 2 + 1, l, mask=r_mask)
 
     @triton.jit
     def _merge_kernel(
-        acc_ptr, ml_ptr, out_ptr, T, R, KVH, GROUP, SPLITS, so_b, so_t, so_h,
-        D: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr,
+        acc_ptr, ml_ptr, count_ptr, out_ptr, T, S, R, KVH, GROUP, SPLITS, so_b, so_t, so_h,
+        D: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr, BS: tl.constexpr, HAS_COUNT: tl.constexpr,
     ):
-        """Program (b * KVH + kv head, row, D block): that row's partials of every split in one
-        [SP, BD] load (SP >= SPLITS), rescaled to their common max, summed, normalised and
-        written as out [B, T, H, D] in out's dtype. One program per row and D block: the merge
-        is a single memory round trip, not a walk over the splits."""
+        """Program (b * KVH + kv head, row, D block): that row's partials of every split that
+        held live keys in one [SP, BD] load (SP >= SPLITS), rescaled to their common max,
+        summed, normalised and written as out [B, T, H, D] in out's dtype. One program per row
+        and D block: the merge is a single memory round trip, not a walk over the splits."""
         pid_bh = tl.program_id(0)
         row = tl.program_id(1)
         b = pid_bh // KVH
         kvh = pid_bh % KVH
         offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
+        live, keys_per_split = _live_keys(count_ptr, S, SPLITS, HAS_COUNT, BS)
         splits = tl.arange(0, SP)
-        s_mask = splits < SPLITS
+        s_mask = splits * keys_per_split < live
         slot = (pid_bh * SPLITS + splits) * R + row
         m = tl.load(ml_ptr + slot * 2, mask=s_mask, other=-1e30)
         l = tl.load(ml_ptr + slot * 2 + 1, mask=s_mask, other=0.0)
@@ -173,7 +187,7 @@ def launch_shape(batch: int, kv_heads: int, rows: int, keys: int, processors: in
 
 
 @torch.library.custom_op("qfd::split_attention", mutates_args=())
-def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, key_count: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel pair as one opaque torch op (torch.compile keeps it whole). Returns [B, T, H, D]
     contiguous (the layout o_proj reads)."""
 
@@ -184,7 +198,7 @@ def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         processors = _multiprocessors(q.device.index or 0) if q.is_cuda else 4
         block_rows = block_rows_for(rows)
         block_keys, warps, stages = split_config(D, block_rows)
-        splits, keys_per_split = launch_shape(B, kv_heads, rows, S, processors, block_keys)
+        splits, _ = launch_shape(B, kv_heads, rows, S, processors, block_keys)
         row_blocks = -(-rows // block_rows)
         acc = torch.empty(B * kv_heads * splits * rows, D, dtype=torch.float32, device=q.device)
         max_sum = torch.empty(B * kv_heads * splits * rows, 2, dtype=torch.float32, device=q.device)
@@ -192,15 +206,16 @@ def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         # the kernels take any strides but the last dimension's (the cache buffers: always 1)
         qc, kc, vc = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         mask_bytes = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)
+        count = key_count if key_count is not None else mask_bytes  # (a pointer the kernels never read)
         _split_kernel[(B * kv_heads, row_blocks, splits)](
-            qc, kc, vc, mask_bytes, acc, max_sum, T, S, rows, kv_heads, group, splits, keys_per_split, D**-0.5,
+            qc, kc, vc, mask_bytes, count, acc, max_sum, T, S, rows, kv_heads, group, splits, D**-0.5,
             qc.stride(0), qc.stride(1), qc.stride(2), kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), mask_bytes.stride(0),
-            D=D, BR=block_rows, BS=block_keys, IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages,
+            D=D, BR=block_rows, BS=block_keys, IEEE=q.dtype == torch.float32, HAS_COUNT=key_count is not None, num_warps=warps, num_stages=stages,
         )
         block_d = min(D, 64)
         _merge_kernel[(B * kv_heads, rows, D // block_d)](
-            acc, max_sum, out, T, rows, kv_heads, group, splits, out.stride(0), out.stride(1), out.stride(2),
-            D=D, BD=block_d, SP=max(16, triton.next_power_of_2(splits)), num_warps=4,
+            acc, max_sum, count, out, T, S, rows, kv_heads, group, splits, out.stride(0), out.stride(1), out.stride(2),
+            D=D, BD=block_d, SP=max(16, triton.next_power_of_2(splits)), BS=block_keys, HAS_COUNT=key_count is not None, num_warps=4,
         )
         return out
 
@@ -213,12 +228,16 @@ def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 @split_attention_op.register_fake
-def _split_attention_fake(q, k, v, mask):
+def _split_attention_fake(q, k, v, mask, key_count=None):
     B, H, T, D = q.shape
     return q.new_empty(B, T, H, D)
 
 
-def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, key_count: torch.Tensor | None = None) -> torch.Tensor:
     """Step attention through the kernels: q [B, H, T, D], k/v [B, KVH, S, D] (a cache buffer,
-    read in place), mask [T, S] bool. Returns [B, H, T, D] (a transposed view of [B, T, H, D])."""
-    return split_attention_op(q, k, v, mask).transpose(1, 2)
+    read in place), mask [T, S] bool. key_count: an integer tensor [1] on q's device, the number
+    of leading keys the mask can show (the step's last position + 1; keys from there on must be
+    masked): the kernels read only those, so a step at a short context in a long static cache
+    does not stream the whole buffer. A tensor, not a Python int, so a CUDA graph replays it at
+    any position. Returns [B, H, T, D] (a transposed view of [B, T, H, D])."""
+    return split_attention_op(q, k, v, mask, key_count).transpose(1, 2)

@@ -196,12 +196,16 @@ class Attention(nn.Module):
             start = cache.prompt_start(T) if tree is None and PROMPT_ATTENTION else None
             if start is not None:  # a prompt: fused attention over the filled keys only
                 out = prompt_attention(q, keys[:, :, : start + T], values[:, :, : start + T], start)
-            elif tree is None:
-                # a key is visible to a query when its position is not after the query's
-                mask = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
-                out = step_attention(q, keys, values, mask)
             else:
-                out = step_attention(q, keys, values, tree.visible)
+                # the step's last slot + 1: no key from there on is visible (the static cache's
+                # unfilled tail), so the kernels need not read it
+                slots = positions if tree is None else tree.slots
+                key_count = slots[-1:] + 1
+                if tree is None:  # a key is visible to a query when its position is not after the query's
+                    mask = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
+                else:
+                    mask = tree.visible
+                out = step_attention(q, keys, values, mask, key_count)
         out = out.transpose(1, 2).reshape(B, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
@@ -236,11 +240,12 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, key_count: torch.Tensor | None = None) -> torch.Tensor:
     """A decode / verify / tree step's attention over the cache: the split-KV Triton kernels
-    where they are switched on and run (`qfd.kernels.attention_triton`), else `grouped_attention`."""
+    where they are switched on and run (`qfd.kernels.attention_triton`; they read only the first
+    `key_count` keys), else `grouped_attention` (the mask alone)."""
     if attention_triton.takes(q):
-        return attention_triton.split_attention(q, k, v, mask)
+        return attention_triton.split_attention(q, k, v, mask, key_count)
     return grouped_attention(q, k, v, mask)
 
 
