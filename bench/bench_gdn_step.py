@@ -2,13 +2,14 @@
 of a decode / verify) alone at Qwen3.5-4B's layer shape, for a grid of launch splits side by
 side: each program owns a [dk, BLOCK_V] slice of one head's state, NUM_WARPS warps, the token
 loop, or (`--verify chunk`) the step's tokens in parallel
-(`qfd.kernels.gdn_verify_triton`, the WY form). Every config's output and states are checked against the served
-config's (max |difference|).
+(`qfd.kernels.gdn_verify_triton`, the WY form); the token loop plain or with its loads issued
+ahead (`--prefetch 0,1`: `gdn_triton.PREFETCH`, QFD_GDN_PREFETCH). Every config's output and
+states are checked against the served config's (max |difference|).
 
 Times: `bench_int4_kernels.graph_time_us` (20 calls captured in one CUDA graph, median of 15
 replays), microseconds per call.
 
-    python bench/bench_gdn_step.py [--tokens 1,16] [--block-v 8,16,32,64] [--warps 1,2,4,8] [--verify loop,chunk] [--out gdn_step.json]
+    python bench/bench_gdn_step.py [--tokens 1,16] [--block-v 8,16,32,64] [--warps 1,2,4,8] [--verify loop,chunk] [--prefetch 0,1] [--out gdn_step.json]
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ def layer_inputs(T: int, device):
     return window, conv_weight, a, b, A_log, dt_bias, state
 
 
-def run_config(T, device, block_v, warps, chunk):
-    """(us per call, outputs) of the op with this launch split (chunk: the parallel verify form)."""
+def run_config(T, device, block_v, warps, chunk, prefetch):
+    """(us per call, outputs) of the op with this launch split (chunk: the parallel verify form;
+    prefetch: the token loop's loads issued ahead)."""
     split = gdn_verify_triton if chunk else gdn_triton  # the parallel form has its own split
     split.BLOCK_V, split.NUM_WARPS = block_v, warps
     gdn_verify_triton.CHUNK_VERIFY = chunk
+    gdn_triton.PREFETCH = prefetch
     window, conv_weight, a, b, A_log, dt_bias, state0 = layer_inputs(T, device)
     state, start = state0.clone(), torch.empty_like(state0)
     history = torch.empty(1, max(T, 16), V_HEADS, DK, DV, device=device)
@@ -67,6 +70,7 @@ def main() -> None:
     p.add_argument("--block-v", default="8,16,32,64")
     p.add_argument("--warps", default="1,2,4,8")
     p.add_argument("--verify", default="loop,chunk", help="comma-separated: loop (token by token), chunk (the parallel WY form, 2-32 tokens)")
+    p.add_argument("--prefetch", default="1", help="comma-separated: 0 (the plain token loop), 1 (its loads issued ahead; the loop form only)")
     p.add_argument("--out", type=Path, default=Path("gdn_step.json"))
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -76,36 +80,44 @@ def main() -> None:
 
     device = torch.device("cuda")
     loop_split, chunk_split = (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS), (gdn_verify_triton.BLOCK_V, gdn_verify_triton.NUM_WARPS)
-    served = (*(chunk_split if gdn_verify_triton.CHUNK_VERIFY else loop_split), gdn_verify_triton.CHUNK_VERIFY)
+    served = (*(chunk_split if gdn_verify_triton.CHUNK_VERIFY else loop_split), gdn_verify_triton.CHUNK_VERIFY, gdn_triton.PREFETCH)
+    prefetches = [f != "0" for f in args.prefetch.split(",")]
+
+    def label(chunk, prefetch):  # the parallel form has no token loop to prefetch in
+        return {"verify": "chunk" if chunk else "loop", "prefetch": None if chunk else prefetch}
+
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         kernels._FAILED.discard("gated_delta_conv_step")
         base_us, base = run_config(T, device, *served)
-        rows.append({"tokens": T, "block_v": served[0], "warps": served[1], "verify": "chunk" if served[2] else "loop", "us": base_us, "served": True, "max_diff": 0.0})
-        grid = itertools.product((int(v) for v in args.block_v.split(",")), (int(w) for w in args.warps.split(",")), (f == "chunk" for f in args.verify.split(",")))
-        for bv, warps, chunk in grid:
-            if (bv, warps, chunk) == served or (chunk and not gdn_verify_triton.MAX_TOKENS >= T > 1):
-                continue  # the parallel form takes 2..32 tokens
+        rows.append({"tokens": T, "block_v": served[0], "warps": served[1], **label(served[2], served[3]), "us": base_us, "served": True, "max_diff": 0.0})
+        grid = itertools.product((int(v) for v in args.block_v.split(",")), (int(w) for w in args.warps.split(",")), (f == "chunk" for f in args.verify.split(",")), prefetches)
+        for bv, warps, chunk, prefetch in grid:
+            if chunk and (prefetch != prefetches[0] or not gdn_verify_triton.MAX_TOKENS >= T > 1):
+                continue  # the parallel form: once (no token loop), for 2..32 tokens
+            if (bv, warps, chunk) == served[:3] and (chunk or prefetch == served[3]):
+                continue
             kernels._FAILED.discard("gated_delta_conv_step")  # each split gets its own chance to compile
             try:
-                us, got = run_config(T, device, bv, warps, chunk)
+                us, got = run_config(T, device, bv, warps, chunk, prefetch)
             except Exception as exc:  # a split the compiler rejects
-                print(f"T={T} block_v={bv} warps={warps} chunk={chunk}: {type(exc).__name__}", file=sys.stderr)
+                print(f"T={T} block_v={bv} warps={warps} chunk={chunk} prefetch={prefetch}: {type(exc).__name__}", file=sys.stderr)
                 continue
             if "gated_delta_conv_step" in kernels._FAILED:  # it fell back to torch: not this split's time
-                print(f"T={T} block_v={bv} warps={warps} chunk={chunk}: the kernel failed (torch fallback), skipped", file=sys.stderr)
+                print(f"T={T} block_v={bv} warps={warps} chunk={chunk} prefetch={prefetch}: the kernel failed (torch fallback), skipped", file=sys.stderr)
                 continue
             diff = max(float((g - w).abs().max()) for g, w in zip(got, base))
-            rows.append({"tokens": T, "block_v": bv, "warps": warps, "verify": "chunk" if chunk else "loop", "us": us, "served": False, "max_diff": diff})
+            rows.append({"tokens": T, "block_v": bv, "warps": warps, **label(chunk, prefetch), "us": us, "served": False, "max_diff": diff})
             args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))  # what a time limit leaves
     (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS), (gdn_verify_triton.BLOCK_V, gdn_verify_triton.NUM_WARPS) = loop_split, chunk_split
-    gdn_verify_triton.CHUNK_VERIFY = served[2]
+    gdn_verify_triton.CHUNK_VERIFY, gdn_triton.PREFETCH = served[2], served[3]
     table = Table(title=f"GDN step kernel at Qwen3.5-4B's layer shape, us per call in a CUDA graph ({torch.cuda.get_device_name()})")
-    for col in ("tokens", "verify", "block_v", "warps", "us", "x served", "max |diff| vs served"):
+    for col in ("tokens", "verify", "prefetch", "block_v", "warps", "us", "x served", "max |diff| vs served"):
         table.add_column(col, justify="right")
     for r in rows:
         base_us = next(b["us"] for b in rows if b["tokens"] == r["tokens"] and b["served"])
-        table.add_row(str(r["tokens"]), r["verify"], str(r["block_v"]), str(r["warps"]), f"{r['us']:.1f}", f"{base_us / r['us']:.2f}x" + (" (served)" if r["served"] else ""), f"{r['max_diff']:.1e}")
+        prefetch = "-" if r["prefetch"] is None else ("on" if r["prefetch"] else "off")
+        table.add_row(str(r["tokens"]), r["verify"], prefetch, str(r["block_v"]), str(r["warps"]), f"{r['us']:.1f}", f"{base_us / r['us']:.2f}x" + (" (served)" if r["served"] else ""), f"{r['max_diff']:.1e}")
     Console(width=140).print(table)
 
 

@@ -116,6 +116,62 @@ def test_conv_kernel_matches_the_torch_layer_math(dtype, tol, monkeypatch):
     assert not kernels._FAILED  # the kernel ran (no torch fallback)
 
 
+def run_conv_kernel(prefetch, dtype, T, monkeypatch):
+    """The conv op's token-loop kernel with QFD_GDN_PREFETCH on or off on `conv_step_inputs`:
+    (output, final state, start, history, conv state), the torch layer math's (output, final
+    state, history), and which kernels launched (a kernel failure fails the test)."""
+    from qfd import kernels
+
+    monkeypatch.setattr(gdn_triton, "PREFETCH", prefetch)
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    launched = []
+
+    class Recorded:  # kernel[grid] as the launcher writes it, noting the kernel's name
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.name)
+            return self.kernel[grid]
+
+    for name in ("_gated_delta_conv_kernel", "_gated_delta_conv_prefetch_kernel"):
+        kernel = getattr(gdn_triton, name)
+        monkeypatch.setattr(gdn_triton, name, Recorded(name, getattr(kernel, "kernel", kernel)))
+    (window, conv_weight, a, b, A_log, dt_bias, state), dims = conv_step_inputs(dtype, KERNEL_DEVICE, T=T)
+    B, C, W = window.shape
+    q, k, v, g, beta = conv_and_gates(window.cpu(), conv_weight.cpu(), a.cpu(), b.cpu(), A_log.cpu(), dt_bias.cpu(), dims, dtype)
+    expected_history = torch.zeros(B, 16, *state.shape[1:])
+    expected_out, expected_final = recurrent_gated_delta(q, k, v, g, beta, state.cpu(), history=expected_history)
+    start, history = torch.zeros_like(state), torch.zeros(B, 16, *state.shape[1:], device=KERNEL_DEVICE)
+    conv_state = torch.zeros(B, C, conv_weight.shape[-1] - 1, dtype=dtype, device=KERNEL_DEVICE)
+    out = gdn_triton.gated_delta_conv_step(window, conv_weight, a, b, A_log, dt_bias, state, start, history, conv_state, dims[0])
+    assert not kernels._FAILED  # the kernel ran (no torch fallback)
+    assert torch.equal(conv_state, window[..., W - conv_state.shape[-1] :])
+    got = (out, state, start, history[:, :T], conv_state)
+    return got, (expected_out, expected_final, expected_history[:, :T]), launched
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_prefetching_conv_kernel_equals_the_plain_token_loop(T, dtype, tol, monkeypatch):
+    """QFD_GDN_PREFETCH: the token loop with its loads issued ahead (gates of all tokens before
+    the loop, token t+1's window columns during token t) matches the torch layer math as the
+    plain loop does, and equals the plain loop itself (the same float32 ops: exactly under the
+    interpreter; on a GPU the compiler may contract the two differently)."""
+    plain, expected, plain_kernel = run_conv_kernel(False, dtype, T, monkeypatch)
+    ahead, _, ahead_kernel = run_conv_kernel(True, dtype, T, monkeypatch)
+    assert (plain_kernel, ahead_kernel) == (["_gated_delta_conv_kernel"], ["_gated_delta_conv_prefetch_kernel"])
+    for got in (plain, ahead):
+        out, final, _, history, _ = got
+        for g, want in zip((out, final, history), expected):
+            torch.testing.assert_close(g.cpu(), want, rtol=tol, atol=tol)
+    exact = KERNEL_DEVICE == "cpu"
+    for g, want in zip(ahead, plain):
+        torch.testing.assert_close(g, want, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
+    assert not torch.equal(plain[1], plain[2])  # the state moved (not two untouched tensors)
+
+
 @needs_triton
 @pytest.mark.parametrize("T", [2, 5, 16, 20])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])

@@ -9,6 +9,12 @@ step: it saves the starting state (rollback to 0 tokens), runs the T updates, wr
 position's output and state (the history) and the final state in place. The state is read
 once and written 1 + T times: at bandwidth, ~10 us per layer for a 16-token verify.
 
+The conv form's per-token chain was bound by dependent global loads issued after the previous
+token's stores (the compiler does not hoist loads above stores): `PREFETCH` selects a variant
+that loads the loop invariants (conv weights) and every token's gates before the token loop and
+each next token's conv window columns before the current token's compute and stores (software
+pipelining by one token). Same float32 ops and rounding points as the plain loop.
+
 Same arguments and float32 math as `recurrent_gated_delta` (q, k prepared by `prepare_qk`).
 """
 
@@ -28,6 +34,15 @@ from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, launch_or_fallback, runs_on
 # token 8.2 -> 7.9 us.
 BLOCK_V = int(os.environ.get("QFD_GDN_BLOCK_V", "8"))
 NUM_WARPS = int(os.environ.get("QFD_GDN_WARPS", "1"))
+# `gated_delta_conv_step`'s token loop with its loads issued ahead (`_gated_delta_conv_prefetch_kernel`:
+# conv weights and all tokens' gates before the loop, token t+1's window columns before token t's
+# stores), against the ~2.3 us per extra token of the plain loop (41.7 us at 16 tokens vs 7.9 at
+# one, H100) that the arithmetic does not explain. Not yet timed on a GPU (it equals the plain
+# loop under Triton's interpreter): QFD_GDN_PREFETCH=0 keeps the plain loop, and
+# bench/bench_gdn_step.py --prefetch 0,1 times both. Steps of more than PREFETCH_MAX_TOKENS
+# tokens keep the plain loop (the gates of all tokens are held as [TP] vectors).
+PREFETCH = os.environ.get("QFD_GDN_PREFETCH", "1") != "0"
+PREFETCH_MAX_TOKENS = 64
 
 
 if _HAVE_TRITON:
@@ -129,14 +144,33 @@ if _HAVE_TRITON:
         taps = tl.arange(0, KCP)
         tap_mask = chan_mask[:, None] & (taps < KC)[None, :]
         w = tl.load(cw_ptr + chan[:, None] * KC + taps[None, :], mask=tap_mask, other=0.0).to(tl.float32)
-        x = tl.load(win_ptr + chan[:, None] * W + t + taps[None, :], mask=tap_mask, other=0.0).to(tl.float32)
-        y = tl.sum(w * x, axis=1)
+        x = tl.load(win_ptr + chan[:, None] * W + t + taps[None, :], mask=tap_mask, other=0.0)
+        return _silu_of_conv(w, x, ROUND)
+
+    @triton.jit
+    def _silu_of_conv(w, x, ROUND: tl.constexpr):
+        """`_conv_silu`'s math on loaded tiles (both loop forms share it: the same float32 ops):
+        w [channels, KCP] float32, x the window's [channels, KCP] columns in the window's dtype."""
+        y = tl.sum(w * x.to(tl.float32), axis=1)
         if ROUND:
-            y = y.to(win_ptr.dtype.element_ty).to(tl.float32)
+            y = y.to(x.dtype).to(tl.float32)
         y = y * tl.sigmoid(y)
         if ROUND:
-            y = y.to(win_ptr.dtype.element_ty).to(tl.float32)
+            y = y.to(x.dtype).to(tl.float32)
         return y
+
+    @triton.jit
+    def _decay_beta(a_raw, b_raw, neg_a, dt_bias, ROUND: tl.constexpr):
+        """The gates from the raw a/b (one token's scalars, or all tokens' vectors: elementwise,
+        the same ops either way): decay = exp(-exp(A_log) * softplus(a + dt_bias)), beta =
+        sigmoid(b), rounded to b's dtype as the module does."""
+        a_t = a_raw.to(tl.float32) + dt_bias
+        softplus = tl.where(a_t > 20.0, a_t, tl.log(1.0 + tl.exp(tl.minimum(a_t, 20.0))))  # F.softplus's threshold
+        decay = tl.exp(neg_a * softplus)
+        beta = tl.sigmoid(b_raw.to(tl.float32))
+        if ROUND:
+            beta = beta.to(b_raw.dtype).to(tl.float32)
+        return decay, beta
 
     @triton.jit
     def _conv_token(state, t, b, h, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
@@ -151,12 +185,7 @@ if _HAVE_TRITON:
         k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=0) + 1e-6)
         row = (b * T + t) * H + h
         ab = (b * T + t) * AB_ROW + h
-        a_t = tl.load(a_ptr + ab).to(tl.float32) + dt_bias
-        softplus = tl.where(a_t > 20.0, a_t, tl.log(1.0 + tl.exp(tl.minimum(a_t, 20.0))))  # F.softplus's threshold
-        decay = tl.exp(neg_a * softplus)
-        beta = tl.sigmoid(tl.load(b_ptr + ab).to(tl.float32))
-        if ROUND:
-            beta = beta.to(b_ptr.dtype.element_ty).to(tl.float32)
+        decay, beta = _decay_beta(tl.load(a_ptr + ab), tl.load(b_ptr + ab), neg_a, dt_bias, ROUND)
         state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
         tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
         tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
@@ -219,6 +248,91 @@ if _HAVE_TRITON:
             tl.store(conv + c_k[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_k[:, None] * W + T + taps[None, :], mask=qk_mask), mask=qk_mask)
 
 
+if _HAVE_TRITON:
+
+    @triton.jit
+    def _gated_delta_conv_prefetch_kernel(
+        win_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, start_ptr, hist_ptr, conv_ptr,
+        T, H, DV, HIST_T, C, W, KD, REP, scale, AB_ROW,
+        DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr, TP: tl.constexpr,
+    ):
+        """`_gated_delta_conv_kernel` (same arguments, results and float32 ops; TP: T rounded up
+        to a power of two) with its loads issued ahead of the token chain: the conv weights and
+        every token's gates before the loop, and in iteration t token t+1's window columns
+        before token t's compute and stores (loads issued after a store wait for it: the
+        compiler cannot prove they do not alias), so their latency overlaps token t's work."""
+        bh = tl.program_id(0)
+        vb = tl.program_id(1)
+        b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win, c_q, c_k, c_v = _window_program(win_ptr, bh, vb, H, DV, C, W, KD, REP, DK, BV)
+        neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
+        w_q = _conv_weights(cw_ptr, c_q, k_mask, KC, KCP)
+        w_k = _conv_weights(cw_ptr, c_k, k_mask, KC, KCP)
+        w_v = _conv_weights(cw_ptr, c_v, v_mask, KC, KCP)
+        offs_t = tl.arange(0, TP)
+        decays, betas = _all_gates(a_ptr, b_ptr, b, h, T, AB_ROW, offs_t, neg_a, dt_bias, ROUND)
+        x_q = _window_columns(win, c_q, k_mask, 0, T, W, KC, KCP)
+        x_k = _window_columns(win, c_k, k_mask, 0, T, W, KC, KCP)
+        x_v = _window_columns(win, c_v, v_mask, 0, T, W, KC, KCP)
+        state_off = bh * DK * DV
+        state = tl.load(s_ptr + state_off + tile, mask=tile_mask, other=0.0)
+        tl.store(start_ptr + state_off + tile, state, mask=tile_mask)
+        for t in range(T):
+            # token t+1's columns (none after the last token), in flight during token t
+            next_q = _window_columns(win, c_q, k_mask, t + 1, T, W, KC, KCP)
+            next_k = _window_columns(win, c_k, k_mask, t + 1, T, W, KC, KCP)
+            next_v = _window_columns(win, c_v, v_mask, t + 1, T, W, KC, KCP)
+            state = _conv_token_loaded(state, t, b, h, T, H, DV, HIST_T, o_ptr, hist_ptr, x_q, x_k, x_v, w_q, w_k, w_v,
+                                       _pick(decays, offs_t, t), _pick(betas, offs_t, t), v_mask, offs_v, tile, tile_mask, scale, DK, ROUND)
+            x_q, x_k, x_v = next_q, next_k, next_v
+        tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
+        _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
+
+    @triton.jit
+    def _conv_weights(cw_ptr, chan, chan_mask, KC: tl.constexpr, KCP: tl.constexpr):
+        """The float32 [channels, KCP] conv weights of channels `chan` (taps past KC: 0), as
+        `_conv_silu` reads them; loop invariant."""
+        taps = tl.arange(0, KCP)
+        return tl.load(cw_ptr + chan[:, None] * KC + taps[None, :], mask=chan_mask[:, None] & (taps < KC)[None, :], other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _window_columns(win, chan, chan_mask, t, T, W, KC: tl.constexpr, KCP: tl.constexpr):
+        """The window columns token t's conv reads for channels `chan`: [channels, KCP] in the
+        window's dtype (converted at use: half the registers while in flight for 16-bit
+        windows), all zero without a load for t >= T (the prefetch after the last token)."""
+        taps = tl.arange(0, KCP)
+        mask = chan_mask[:, None] & (taps < KC)[None, :] & (t < T)
+        return tl.load(win + chan[:, None] * W + t + taps[None, :], mask=mask, other=0.0)
+
+    @triton.jit
+    def _all_gates(a_ptr, b_ptr, b, h, T, AB_ROW, offs_t, neg_a, dt_bias, ROUND: tl.constexpr):
+        """Decay and beta of all T tokens as [TP] vectors (0 past T), from one load of each of
+        a and b: the per-token scalar loads were links of the token chain."""
+        rows = (b * T + offs_t) * AB_ROW + h
+        t_mask = offs_t < T
+        return _decay_beta(tl.load(a_ptr + rows, mask=t_mask, other=0.0), tl.load(b_ptr + rows, mask=t_mask, other=0.0), neg_a, dt_bias, ROUND)
+
+    @triton.jit
+    def _pick(vec, offs_t, t):
+        """Element t of a [TP] vector, in registers: a sum with one non-zero term (exact)."""
+        return tl.sum(tl.where(offs_t == t, vec, 0.0), axis=0)
+
+    @triton.jit
+    def _conv_token_loaded(state, t, b, h, T, H, DV, HIST_T, o_ptr, hist_ptr, x_q, x_k, x_v, w_q, w_k, w_v, decay, beta,
+                           v_mask, offs_v, tile, tile_mask, scale, DK: tl.constexpr, ROUND: tl.constexpr):
+        """`_conv_token` from inputs already in registers (window columns x_*, weights w_*, the
+        token's gates): the same ops, then its output and history tile; returns the new state."""
+        q_t = _silu_of_conv(w_q, x_q, ROUND)
+        k_t = _silu_of_conv(w_k, x_k, ROUND)
+        v_t = _silu_of_conv(w_v, x_v, ROUND)
+        q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=0) + 1e-6) * scale  # prepare_qk
+        k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=0) + 1e-6)
+        state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
+        tl.store(o_ptr + ((b * T + t) * H + h) * DV + offs_v, out, mask=v_mask)
+        tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
+        return state
+
+
 @torch.library.custom_op("qfd::gated_delta_conv_step", mutates_args=("state", "start", "history", "conv_state"))
 def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                           state: torch.Tensor, start: torch.Tensor, history: torch.Tensor, conv_state: torch.Tensor, k_heads: int) -> torch.Tensor:
@@ -249,12 +363,14 @@ def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: to
             gdn_verify_triton.launch(window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias, out, state, start, history, conv_state,
                                      k_heads, a_.stride(1))
             return out
-        _gated_delta_conv_kernel[(B * H, triton.cdiv(dv, BLOCK_V))](
-            window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias,
-            out, state, start, history, conv_state,
-            T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, a_.stride(1),
-            DK=dk, BV=BLOCK_V, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, num_warps=NUM_WARPS,
-        )
+        args = (window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias, out, state, start, history, conv_state,
+                T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, a_.stride(1))
+        meta = dict(DK=dk, BV=BLOCK_V, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, num_warps=NUM_WARPS)
+        grid = (B * H, triton.cdiv(dv, BLOCK_V))
+        if PREFETCH and T <= PREFETCH_MAX_TOKENS:  # (read at each call: the bench and tests switch it)
+            _gated_delta_conv_prefetch_kernel[grid](*args, TP=triton.next_power_of_2(T), **meta)
+        else:
+            _gated_delta_conv_kernel[grid](*args, **meta)
         return out
 
     if not runs_on(window):
