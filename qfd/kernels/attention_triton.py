@@ -8,7 +8,11 @@ and ~360 us of a 16-token verify in those kernels over the 8 attention layers
 (docs/benchmarks.md, tenth session), where reading K and V once takes ~95 us. Here one kernel
 reads each K/V tile once for all query rows of its kv head (the group's query heads x the
 step's tokens) with an online softmax, over SPLITS slices of the keys in parallel; a second
-kernel merges the slices' partial results (their max, sum and weighted values).
+kernel merges the slices' partial results (their max, sum and weighted values). Given the
+step's key count (its last slot + 1), both kernels work on the filled keys only, spread over the
+splits at run time: a short context in a long static cache (the server's, or the benchmarks'
+8.5K) reads its few hundred keys, not the whole buffer under the mask (not yet timed on a GPU:
+`bench/bench_attention.py --filled`).
 
 On the H100 (docs/benchmarks.md, twelfth session) one layer's step attention at an 8.5K cache
 takes 19.8 / 28.6 / 36.8 us for a decode / 16-token verify / 32-node tree against the torch
