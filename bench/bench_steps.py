@@ -51,13 +51,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from qfd.engine import GRAPHED_PREFILL_MAX_TOKENS, PREFILL_CHUNK  # noqa: E402
 from qfd import kernels  # noqa: E402
-from qfd.kernels import attention_triton, gdn_fla, gdn_verify_triton  # noqa: E402
+from qfd.kernels import attention_triton, gdn_fla, gdn_triton, gdn_verify_triton  # noqa: E402
 from qfd.draft_vocab import DraftVocabHead  # noqa: E402
 from qfd.kernels.int4_triton import BLOCK_M_32, MAGIC_DOT, MMA16, MMA16_ONE_ROW, PDL_LAUNCH, W_FIRST_DOT  # noqa: E402
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
 from qfd.models.fuse import fuse_projections, fusion_enabled  # noqa: E402
 from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps  # noqa: E402
 from qfd.models.target import TargetConfig, TargetModel  # noqa: E402
+from qfd.quant import int4_linear  # noqa: E402
 from qfd.quant.int4_linear import CUDA_KERNELS, cuda_kernel_choice, one_row_kernel  # noqa: E402
 
 QWEN35_4B = {
@@ -467,7 +468,7 @@ def main() -> None:
 
     results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "int4_magic_operand": MAGIC_DOT, "int4_block_m_32": BLOCK_M_32, "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels), "tree": args.tree,
                # the switches read from the environment (gpu_kernels_ab.sh sets them per variant)
-               "attention_kernel": "triton" if attention_triton.SPLIT_KERNEL else "torch", "gdn_verify": "chunk" if gdn_verify_triton.CHUNK_VERIFY else "loop", "int4_one_row": one_row_kernel(),
+               "attention_kernel": "triton" if attention_triton.SPLIT_KERNEL else "torch", "gdn_verify": "chunk" if gdn_verify_triton.CHUNK_VERIFY else "loop", "int4_one_row": one_row_kernel(), "int4_prefetch": int4_linear.PREFETCH_NEXT, "gdn_prefetch": gdn_triton.PREFETCH,
                "int4_pdl": PDL_LAUNCH, "int4_w_first": W_FIRST_DOT, "int4_mma16": "all" if MMA16_ONE_ROW else MMA16, "draft_vocab": args.draft_vocab}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures

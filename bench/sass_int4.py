@@ -30,7 +30,8 @@ from bench.bench_int4_kernels import SHAPES  # noqa: E402
 from qfd.kernels import int4_triton  # noqa: E402
 
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);")
-MEMORY_MOVES = ("STS", "LDS", "LDSM", "BAR")  # shared-memory traffic and barriers: layout conversions
+MEMORY_MOVES = ("STS", "LDS", "LDSM", "BAR")
+PREFETCH = False  # --prefetch  # shared-memory traffic and barriers: layout conversions
 
 
 @dataclass
@@ -64,7 +65,7 @@ def _tools() -> Path:
     return Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-_POINTERS = ("x_ptr", "q_ptr", "s_ptr", "z_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr")
+_POINTERS = ("x_ptr", "q_ptr", "s_ptr", "z_ptr", "b_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "pf_ptr")
 
 
 def compile_kernel(fn, runtime_args: dict[str, str], constants: dict, num_warps: int, num_stages: int, arch: int,
@@ -95,8 +96,8 @@ def compile_kernel(fn, runtime_args: dict[str, str], constants: dict, num_warps:
 
 
 _MM_ARGS = {name: ("*i32" if name in ("q_ptr", "cnt_ptr") else "*fp32" if name == "ws_ptr" else "*bf16") for name in _POINTERS} | {
-    name: "i32" for name in ("M", "N", "K", "KT", "stride_xm", "stride_ym")}
-_GEMV_ARGS = {name: _MM_ARGS[name] for name in _POINTERS} | {name: "i32" for name in ("N", "K", "KT")}
+    name: "i32" for name in ("M", "N", "K", "KT", "stride_xm", "stride_ym")} | {"pf_ptr": "*i32", "pf_lines": "i32"}
+_GEMV_ARGS = {name: _MM_ARGS[name] for name in _POINTERS} | {name: "i32" for name in ("N", "K", "KT")} | {"pf_ptr": "*i32", "pf_lines": "i32"}
 
 
 def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: int = 128):
@@ -105,7 +106,7 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
     the older kernel, QFD_INT4_MMA16=0) and `_int4_mma_kernel` (served for 2+ rows; for one row
     with 15 of 16 rows masked, QFD_INT4_MMA16=all)."""
     split = cfg.split_k
-    base = dict(GROUP=group, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_K=split)
+    base = dict(GROUP=group, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_K=split, PREFETCH=PREFETCH, PF=32 * cfg.num_warps)
     if cfg.tiles and m == 1:
         yield ("served (gemv)", int4_triton._int4_gemv_kernel, _GEMV_ARGS,
                base | dict(BN=cfg.block_n, TILES=cfg.tiles, OFFSET_SUM=cfg.offset_sum, PDL=False, USE_ASM=True,
@@ -117,7 +118,7 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
                cfg, 128 * cfg.block_n)
     dot = cfg if cfg.use_dot else int4_triton.heuristic_config(16, n, k)
     yield ("mma16" if cfg.use_dot else "mma16 (16-row block)", int4_triton._int4_mma_kernel, _MM_ARGS,
-           dict(GROUP=group, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_K=dot.split_k, BM=dot.block_m, BN=dot.block_n, MAGIC_BITS=0x4300, MAGIC=128.0,
+           dict(GROUP=group, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_K=dot.split_k, PREFETCH=PREFETCH, PF=32 * dot.num_warps, BM=dot.block_m, BN=dot.block_n, MAGIC_BITS=0x4300, MAGIC=128.0,
                 EVEN_M=m % dot.block_m == 0, EVEN_N=n % dot.block_n == 0, EVEN_K=k % 128 == 0, USE_ASM=True),
            replace(dot, mma16=True), 128 * dot.block_n)
 
@@ -163,8 +164,11 @@ def main() -> None:
     p.add_argument("--gpu", default="NVIDIA H100 80GB HBM3", help="whose tuned table gives the launch configs (default the H100's)")
     p.add_argument("--rows", default="1,16", help="comma-separated row counts (1: decode, 16: verify)")
     p.add_argument("--shapes", default="fused", help="'fused' (the fused target + drafter shapes), 'all', or comma-separated linear names")
+    p.add_argument("--prefetch", action="store_true", help="compile the kernels with their L2 prefetch of the next product's weights (QFD_INT4_PREFETCH)")
     p.add_argument("--out", type=Path, default=Path("sass_int4.json"))
     args = p.parse_args()
+    global PREFETCH
+    PREFETCH = args.prefetch
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -332,6 +332,44 @@ def test_a_chain_of_dependent_launches_in_a_cuda_graph_equals_the_reference(rows
     assert int(packed.counters.abs().sum()) == 0
 
 
+def test_link_prefetches_chains_the_products_in_the_order_a_step_calls_them():
+    """QFD_INT4_PREFETCH's links follow the calls, not the registration order; a module the step
+    does not call gets none; the last product prefetches nothing; the output does not change."""
+    from qfd.quant.int4_linear import link_prefetches
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c, self.unused = (Int4Linear(weight(128, 128, 128, seed=i), kernel="triton") for i in range(4))
+
+        def forward(self, x):
+            return self.b(self.a(self.c(x)))
+
+    net, x = Net(), torch.randn(1, 128)
+    before = net(x)
+    assert link_prefetches(net, lambda: net(x)) == 2
+    assert net.c.prefetch_next is net.a.triton_qweight and net.a.prefetch_next is net.b.triton_qweight
+    assert net.b.prefetch_next is None and net.unused.prefetch_next is None
+    assert torch.equal(net(x), before)
+    assert not net.a._forward_pre_hooks  # the recording hooks are gone
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or not torch.cuda.is_available(), reason="the L2 prefetch is PTX: a GPU only")
+@pytest.mark.parametrize("rows,config", [
+    (1, int4_triton.KernelConfig(use_dot=False, block_n=32, split_k=2)),
+    (1, int4_triton.KernelConfig(use_dot=False, block_n=32, split_k=2, tiles=2, offset_sum=True)),
+    (16, int4_triton.KernelConfig(use_dot=True, block_n=64, split_k=2, num_stages=3, mma16=True)),
+    (16, int4_triton.KernelConfig(use_dot=True, block_n=64, split_k=1, mma16=False)),
+])
+def test_a_prefetch_of_the_next_weights_changes_no_result(rows, config):
+    packed = int4_triton.pack_for_triton(weight(512, 384, 128), "cuda", scale_dtype=torch.bfloat16)
+    following = int4_triton.pack_for_triton(weight(1000, 256, 128, seed=1), "cuda").qweight  # lines past a tile's end included
+    x = torch.randn(rows, 384, device="cuda", dtype=torch.bfloat16)
+    plain = int4_triton.int4_matmul(x, packed, config=config)
+    assert torch.equal(int4_triton.int4_matmul(x, packed, config=config, prefetch=following), plain)
+    torch.testing.assert_close(plain.float(), int4_triton.reference_matmul(x.float(), packed), rtol=2e-2, atol=2e-2)
+
+
 def test_the_tuned_table_keeps_one_entry_per_shape_the_faster(tmp_path):
     """Two linears of one shape (Qwen3.5's attention o_proj and GDN out_proj) both swept: the
     table `bench_int4_kernels.py --write-tuned` writes keeps the faster config once."""

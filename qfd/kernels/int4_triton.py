@@ -174,6 +174,23 @@ if _HAVE_TRITON:
         return 32 * (j % 4) + j // 4
 
     @triton.jit
+    def _prefetch_next(pf_ptr, pf_lines, PREFETCH: tl.constexpr, PF: tl.constexpr):
+        """PREFETCH: ask the L2 for this program's share of the next product's packed weights
+        (pf_lines 128-byte lines from pf_ptr, split evenly over the grid), PF lines per
+        instruction. `prefetch.global.L2` is fire and forget: no register waits on it, so the
+        program goes on with its own product while HBM, otherwise idle in the small kernels
+        between two products, fills the L2 for the next one."""
+        if PREFETCH:
+            prog = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
+            programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+            per = tl.cdiv(pf_lines, programs)
+            first = prog * per
+            for i in range(0, per, PF):
+                line = tl.minimum(first + i + tl.arange(0, PF), pf_lines - 1)  # past the end: the last line again
+                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [pf_ptr + line.to(tl.int64) * 32],
+                                          dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _write_out(out, out_m, offs_n, out_mask, n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, stride_ym, M, N, tile_id, pid_k,
                    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
         """Store a program's fp32 tile `out` [rows, BN] (+ bias) into y. Split-K: write the partial
@@ -250,7 +267,7 @@ if _HAVE_TRITON:
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
         DOT_IEEE: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr, PDL: tl.constexpr, W_FIRST: tl.constexpr,
-        EVEN_K: tl.constexpr,
+        EVEN_K: tl.constexpr, pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128,
     ):
         """One program: rows [BM*pid_m, +BM) x outputs [BN*pid_n, +BN) x K tiles of split pid_k.
 
@@ -266,6 +283,7 @@ if _HAVE_TRITON:
         and a mask-or, with no float subtract and no fp32 -> 16-bit conversion. The offset comes
         off per group: sum x (MAGIC + u) - (MAGIC + z) sum x = sum x (u - z), fp32 accumulation."""
         pid_n, pid_k, pid_m, offs_n, n_mask, offs_m, m_mask, t0, t1 = _program_block(M, N, KT, BM, BN, SPLIT_K)
+        _prefetch_next(pf_ptr, pf_lines, PREFETCH, PF)
         offs_p = tl.arange(0, 16)
         x_dtype = x_ptr.dtype.element_ty
 
@@ -392,6 +410,7 @@ if _HAVE_TRITON:
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,
         EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+        pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128,
     ):
         """The tensor-core path for 16-bit x (bf16 / fp16), built from its static SASS (sm_90,
         compiled offline, bench/sass_int4.py):
@@ -409,6 +428,7 @@ if _HAVE_TRITON:
         Group scales multiply each group's fp32 partial sum, as in `_int4_mm_kernel`.
         EVEN_M / EVEN_N / EVEN_K (M % BM, N % BN, K % 128 all zero): the loads go unmasked."""
         pid_n, pid_k, pid_m, offs_n, n_mask, offs_m, m_mask, t0, t1 = _program_block(M, N, KT, BM, BN, SPLIT_K)
+        _prefetch_next(pf_ptr, pf_lines, PREFETCH, PF)
         offs_p = tl.arange(0, 16)
         offs_r = tl.arange(0, 32)
         x_dtype = x_ptr.dtype.element_ty
@@ -464,7 +484,7 @@ if _HAVE_TRITON:
         N, K, KT,
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BN: tl.constexpr, TILES: tl.constexpr, SPLIT_K: tl.constexpr, OFFSET_SUM: tl.constexpr, PDL: tl.constexpr,
-        USE_ASM: tl.constexpr, EVEN_K: tl.constexpr,
+        USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128,
     ):
         """One row (decode): outputs [BN*pid_n, +BN) x the K steps of split pid_k, a step being
         TILES whole K tiles (16*TILES contiguous packed rows: one [16*TILES, BN] load). Needs
@@ -491,6 +511,7 @@ if _HAVE_TRITON:
         s1 = tl.minimum(s0 + per_split, steps)
         acc = tl.zeros((R, BN), dtype=tl.float32)
         corr = tl.zeros((BN,), dtype=tl.float32)
+        _prefetch_next(pf_ptr, pf_lines, PREFETCH, PF)
         if PDL:  # x is the previous kernel's output
             tl.extra.cuda.gdc_wait()
         for step in range(s0, s1):
@@ -677,8 +698,20 @@ def heuristic_config(m: int, n: int, k: int) -> KernelConfig:
     return replace(cfg, split_k=split)
 
 
-def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None, config: KernelConfig | None = None) -> torch.Tensor:
-    """y [..., N] = x [..., K] @ w_hat.T (+ bias), in x.dtype (bf16/fp16/fp32), fp32 accumulation."""
+def _prefetch_args(prefetch: torch.Tensor | None, fallback: torch.Tensor, num_warps: int) -> dict:
+    """The kernels' L2-prefetch arguments: `prefetch` (the next product's packed weights, see
+    `Int4Linear.prefetch_next`) as 128-byte lines, one line per thread and instruction. Off
+    under the interpreter (no PTX) and without a tensor (`fallback`: any pointer, never read)."""
+    on = prefetch is not None and prefetch.is_cuda and not interpreting()
+    lines = max(1, prefetch.numel() * prefetch.element_size() // 128) if on else 1
+    return dict(pf_ptr=prefetch if on else fallback, pf_lines=lines, PREFETCH=on, PF=32 * num_warps)
+
+
+def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None, config: KernelConfig | None = None,
+                prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ w_hat.T (+ bias), in x.dtype (bf16/fp16/fp32), fp32 accumulation.
+    prefetch: the next product's packed weights, which the programs ask the L2 for as they start
+    (QFD_INT4_PREFETCH; a hint, the result does not depend on it)."""
     if not _HAVE_TRITON:
         raise RuntimeError("int4_matmul: triton is not installed (check available() first)")
     k, n = packed.in_features, packed.out_features
@@ -694,7 +727,7 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
         return y.reshape(*lead, n)
     cfg = config or pick_config(m, n, k, x.device)
     if cfg.tiles and m == 1 and packed.group_size % TILE_K == 0:
-        return _gemv(x2, packed, bias, cfg, y).reshape(*lead, n)
+        return _gemv(x2, packed, bias, cfg, y, prefetch).reshape(*lead, n)
     bm = cfg.block_m if cfg.use_dot else 1
     grid_n = -(-n // cfg.block_n)
     grid_m = -(-m // bm)
@@ -707,7 +740,8 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
                 bias if bias is not None else packed.scales, y, ws, packed.counters,
                 m, n, k, packed.qweight.shape[0] // 16, x2.stride(0), y.stride(0))
     shared = dict(GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
-                  BM=bm, BN=cfg.block_n, SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  BM=bm, BN=cfg.block_n, SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **_prefetch_args(prefetch, packed.qweight, cfg.num_warps))
     if cfg.use_dot and (MMA16 if cfg.mma16 is None else cfg.mma16) and x.dtype in _MAGIC:
         magic_bits, magic_value = _MAGIC[x.dtype]
         _int4_mma_kernel[(grid_n, split, grid_m)](
@@ -727,7 +761,8 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
     return y.reshape(*lead, n)
 
 
-def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, cfg: KernelConfig, y: torch.Tensor) -> torch.Tensor:
+def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, cfg: KernelConfig, y: torch.Tensor,
+          prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """One row through `_int4_gemv_kernel` into y [1, N]."""
     n = packed.out_features
     grid_n = -(-n // cfg.block_n)
@@ -742,7 +777,8 @@ def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, 
         GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
         BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, OFFSET_SUM=cfg.offset_sum, PDL=pdl, USE_ASM=not interpreting(),
         EVEN_K=packed.in_features % TILE_K == 0 and (packed.qweight.shape[0] // 16) % cfg.tiles == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"launch_pdl": True} if pdl else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_prefetch_args(prefetch, packed.qweight, cfg.num_warps),
+        **({"launch_pdl": True} if pdl else {}),
     )
     return y
 
@@ -751,7 +787,7 @@ def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, 
 
 @torch.library.custom_op("qfd::int4_mm", mutates_args=())
 def int4_mm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, counters: torch.Tensor,
-               bias: torch.Tensor | None, group_size: int, in_features: int) -> torch.Tensor:
+               bias: torch.Tensor | None, group_size: int, in_features: int, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """`int4_matmul` as an opaque torch op, so torch.compile keeps it as one call (a GEMM has
     nothing to fuse) instead of tracing into Triton's launcher. The split-K `counters` are
     written during the launch but always return to zero, so to every caller the op has no
@@ -761,10 +797,10 @@ def int4_mm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     packed = TritonInt4Weight(qweight, scales, zeros, counters, group_size, in_features, qweight.shape[1])
     if not runs_on(x):
         return reference_matmul(x, packed, bias)
-    return int4_matmul(x, packed, bias)
+    return int4_matmul(x, packed, bias, prefetch=prefetch)
 
 
 @int4_mm_op.register_fake
-def _int4_mm_fake(x, qweight, scales, zeros, counters, bias, group_size, in_features):
+def _int4_mm_fake(x, qweight, scales, zeros, counters, bias, group_size, in_features, prefetch=None):
     return x.new_empty(*x.shape[:-1], qweight.shape[1])
 

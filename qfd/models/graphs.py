@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from qfd.models.drafter import store_context_kv
+from qfd.quant import int4_linear
 from qfd.models.target import TargetOutput
 
 
@@ -72,6 +73,10 @@ class StaticTargetSteps:
         device = model.model.embed_tokens.weight.device
         self.use_graphs = (device.type == "cuda") if use_graphs is None else use_graphs
         self.compiled = bool(compile)
+        if int4_linear.PREFETCH_NEXT and device.type == "cuda":  # before the step is traced: the links are read then
+            one = torch.zeros(1, 1, dtype=torch.long, device=device)
+            int4_linear.link_prefetches(model, lambda: model.forward_at(one, cache, torch.zeros(1, dtype=torch.long, device=device), self.tap_layers))
+            cache.reset()
         self.step_fn = compile_step(model.forward_at, compile_backend) if compile else model.forward_at
         self.steps: dict[int, dict] = {}
         for size in sizes:

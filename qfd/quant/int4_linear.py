@@ -23,6 +23,9 @@ on the H200 (docs/benchmarks.md). Triton missing, or a shape it rejects: tinygem
 
 from __future__ import annotations
 
+import os
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -52,8 +55,6 @@ ONE_ROW_KERNELS = ("triton", "tinygemm")
 
 def one_row_kernel() -> str:
     """$QFD_INT4_ONE_ROW: which kernel a Triton-mode layer runs one-row products through."""
-    import os
-
     choice = os.environ.get("QFD_INT4_ONE_ROW", "triton")
     if choice not in ONE_ROW_KERNELS:
         raise ValueError(f"QFD_INT4_ONE_ROW={choice!r}: expected one of {', '.join(ONE_ROW_KERNELS)}")
@@ -189,10 +190,15 @@ class Int4Linear(nn.Module):
         self.register_buffer("one_row_packed", packed, persistent=False)
         self.register_buffer("one_row_scales_and_zeros", sz, persistent=False)
 
+    # The next product's packed weights, asked of the L2 while this one runs (`link_prefetches`;
+    # a plain attribute, not a buffer: it belongs to another module)
+    prefetch_next: torch.Tensor | None = None
+
     def _triton_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         from qfd.kernels.int4_triton import int4_mm_op
 
-        return int4_mm_op(x2, self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.bias, self.group_size, self.in_features)
+        return int4_mm_op(x2, self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.bias, self.group_size, self.in_features,
+                          self.prefetch_next)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """w = (u - 8) * scale + zero, [out, in], from the kept nibbles (same formula as the kernel)."""
@@ -296,3 +302,32 @@ def swap_int4_linears(model: nn.Module, qweights: dict[str, QuantizedWeight], al
         parent_path, _, name = path.rpartition(".")
         setattr(modules[parent_path] if parent_path else model, name, new)
     return model
+
+
+# QFD_INT4_PREFETCH=1: each INT4 product's programs ask the L2 for the next product's packed
+# weights as they start (`link_prefetches`). At batch 1 a product streams its weights at about a
+# third of HBM bandwidth and the small kernels between two products leave HBM idle; the next
+# product then reads from L2 what was fetched meanwhile. A hint: results do not change. Off until
+# timed on a GPU (bench/gpu_kernels_ab.sh VARIANTS="fused int4_prefetch").
+PREFETCH_NEXT = os.environ.get("QFD_INT4_PREFETCH", "0") == "1"
+
+
+def link_prefetches(model: nn.Module, step: Callable[[], object]) -> int:
+    """Run `step()` (one forward of `model`) once, recording the order in which it calls its
+    Triton-layout Int4Linears, and give each the next one's packed weights to prefetch (the last
+    one none). Returns the number of links. Call it before torch.compile or CUDA-graph capture:
+    the attribute is read when the forward is traced."""
+    order: list[Int4Linear] = []
+    hooks = [m.register_forward_pre_hook(lambda mod, args: order.append(mod)) for m in model.modules()
+             if isinstance(m, Int4Linear) and m.mode == "triton"]
+    try:
+        with torch.inference_mode():
+            step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for module, following in zip(order, order[1:]):
+        module.prefetch_next = following.triton_qweight
+    if order:
+        order[-1].prefetch_next = None
+    return max(0, len(order) - 1)
