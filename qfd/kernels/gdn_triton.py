@@ -37,9 +37,10 @@ NUM_WARPS = int(os.environ.get("QFD_GDN_WARPS", "1"))
 # `gated_delta_conv_step`'s token loop with its loads issued ahead (`_gated_delta_conv_prefetch_kernel`:
 # conv weights and all tokens' gates before the loop, token t+1's window columns before token t's
 # stores), against the ~2.3 us per extra token of the plain loop (41.7 us at 16 tokens vs 7.9 at
-# one, H100) that the arithmetic does not explain. Not yet timed on a GPU (it equals the plain
-# loop under Triton's interpreter): QFD_GDN_PREFETCH=0 keeps the plain loop, and
-# bench/bench_gdn_step.py --prefetch 0,1 times both. Steps of more than PREFETCH_MAX_TOKENS
+# one, H100) that the arithmetic does not explain. On the H200 (bench/bench_gdn_step.py
+# --prefetch 0,1, docs/benchmarks.md 2026-12-06 eighteenth session) 37.0 -> 24.2 us at 16 tokens
+# (1.53x), 7.7 -> 7.2 us at one, outputs and states equal to the plain loop's;
+# QFD_GDN_PREFETCH=0 keeps the plain loop. Steps of more than PREFETCH_MAX_TOKENS
 # tokens keep the plain loop (the gates of all tokens are held as [TP] vectors).
 PREFETCH = os.environ.get("QFD_GDN_PREFETCH", "1") != "0"
 PREFETCH_MAX_TOKENS = 64

@@ -307,8 +307,10 @@ def swap_int4_linears(model: nn.Module, qweights: dict[str, QuantizedWeight], al
 # QFD_INT4_PREFETCH=1: each INT4 product's programs ask the L2 for the next product's packed
 # weights as they start (`link_prefetches`). At batch 1 a product streams its weights at about a
 # third of HBM bandwidth and the small kernels between two products leave HBM idle; the next
-# product then reads from L2 what was fetched meanwhile. A hint: results do not change. Off until
-# timed on a GPU (bench/gpu_kernels_ab.sh VARIANTS="fused int4_prefetch").
+# product then reads from L2 what was fetched meanwhile. A hint: results do not change. Measured
+# no gain (H200, graphed short-setting steps, docs/benchmarks.md eighteenth session: INT4 decode
+# 5.255 -> 5.502 ms, verify 7.054 -> 7.125, near that run's noise): off; kept for other GPUs
+# (bench/gpu_kernels_ab.sh VARIANTS="fused int4_prefetch").
 PREFETCH_NEXT = os.environ.get("QFD_INT4_PREFETCH", "0") == "1"
 
 
