@@ -139,18 +139,9 @@ if _HAVE_TRITON:
 if _HAVE_TRITON:
 
     @triton.jit
-    def _conv_silu(win_ptr, cw_ptr, chan, chan_mask, t, W, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr):
-        """SiLU(depthwise conv) at token t for channels `chan`: sum_i w[c, i] * window[c, t + i],
-        rounded to the window's dtype after the conv and after the SiLU (as the torch module)."""
-        taps = tl.arange(0, KCP)
-        tap_mask = chan_mask[:, None] & (taps < KC)[None, :]
-        w = tl.load(cw_ptr + chan[:, None] * KC + taps[None, :], mask=tap_mask, other=0.0).to(tl.float32)
-        x = tl.load(win_ptr + chan[:, None] * W + t + taps[None, :], mask=tap_mask, other=0.0)
-        return _silu_of_conv(w, x, ROUND)
-
-    @triton.jit
     def _silu_of_conv(w, x, ROUND: tl.constexpr):
-        """`_conv_silu`'s math on loaded tiles (both loop forms share it: the same float32 ops):
+        """SiLU(depthwise conv) of one token for a tile of channels: sum_i w[c, i] * window[c, t + i],
+        rounded to the window's dtype after the conv and after the SiLU (as the torch module).
         w [channels, KCP] float32, x the window's [channels, KCP] columns in the window's dtype."""
         y = tl.sum(w * x.to(tl.float32), axis=1)
         if ROUND:
@@ -177,20 +168,16 @@ if _HAVE_TRITON:
     def _conv_token(state, t, b, h, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
                     k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale,
                     DK: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr):
-        """Token t of `_gated_delta_conv_kernel`: its q/k/v from the conv window, its gates,
-        the update; writes its output and history tile, returns the new state."""
-        q_t = _conv_silu(win, cw_ptr, c_q, k_mask, t, W, KC, KCP, ROUND)
-        k_t = _conv_silu(win, cw_ptr, c_k, k_mask, t, W, KC, KCP, ROUND)
-        v_t = _conv_silu(win, cw_ptr, c_v, v_mask, t, W, KC, KCP, ROUND)
-        q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=0) + 1e-6) * scale  # prepare_qk
-        k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=0) + 1e-6)
-        row = (b * T + t) * H + h
+        """Token t of `_gated_delta_conv_kernel`: its conv weights, window columns and gates
+        loaded here, in the token's turn (after the previous token's stores), then
+        `_conv_token_loaded`; returns the new state."""
         ab = (b * T + t) * AB_ROW + h
         decay, beta = _decay_beta(tl.load(a_ptr + ab), tl.load(b_ptr + ab), neg_a, dt_bias, ROUND)
-        state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
-        tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
-        tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
-        return state
+        return _conv_token_loaded(state, t, b, h, T, H, DV, HIST_T, o_ptr, hist_ptr,
+                                  _window_columns(win, c_q, k_mask, t, T, W, KC, KCP), _window_columns(win, c_k, k_mask, t, T, W, KC, KCP),
+                                  _window_columns(win, c_v, v_mask, t, T, W, KC, KCP), _conv_weights(cw_ptr, c_q, k_mask, KC, KCP),
+                                  _conv_weights(cw_ptr, c_k, k_mask, KC, KCP), _conv_weights(cw_ptr, c_v, v_mask, KC, KCP),
+                                  decay, beta, v_mask, offs_v, tile, tile_mask, scale, DK, ROUND)
 
     @triton.jit
     def _gated_delta_conv_kernel(
@@ -291,8 +278,7 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _conv_weights(cw_ptr, chan, chan_mask, KC: tl.constexpr, KCP: tl.constexpr):
-        """The float32 [channels, KCP] conv weights of channels `chan` (taps past KC: 0), as
-        `_conv_silu` reads them; loop invariant."""
+        """The float32 [channels, KCP] conv weights of channels `chan` (taps past KC: 0)."""
         taps = tl.arange(0, KCP)
         return tl.load(cw_ptr + chan[:, None] * KC + taps[None, :], mask=chan_mask[:, None] & (taps < KC)[None, :], other=0.0).to(tl.float32)
 

@@ -55,7 +55,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _conv_tile(win_ptr, cw_ptr, chan, chan_mask, offs_t, t_mask, W, KC: tl.constexpr, ROUND: tl.constexpr):
         """SiLU(depthwise conv) of every token of the step for channels `chan`: a [TP, len(chan)]
-        tile, rounded like `gdn_triton._conv_silu` (to the window's dtype after the conv and
+        tile, rounded like `gdn_triton._silu_of_conv` (to the window's dtype after the conv and
         after the SiLU); rows past the step's tokens are 0."""
         # built as [channels, tokens] so each load reads a channel's window columns contiguously
         mask = chan_mask[:, None] & t_mask[None, :]

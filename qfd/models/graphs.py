@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 import torch
 
 from qfd.models.drafter import store_context_kv
-from qfd.quant import int4_linear
 from qfd.models.target import TargetOutput
+from qfd.quant import int4_linear
 
 
 def compile_step(fn: Callable, backend: str | Callable = "inductor") -> Callable:

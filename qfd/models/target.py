@@ -197,15 +197,13 @@ class Attention(nn.Module):
             if start is not None:  # a prompt: fused attention over the filled keys only
                 out = prompt_attention(q, keys[:, :, : start + T], values[:, :, : start + T], start)
             else:
-                # the step's last slot + 1: no key from there on is visible (the static cache's
-                # unfilled tail), so the kernels need not read it
-                slots = positions if tree is None else tree.slots
-                key_count = slots[-1:] + 1
                 if tree is None:  # a key is visible to a query when its position is not after the query's
-                    mask = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None]
+                    mask, slots = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None], positions
                 else:
-                    mask = tree.visible
-                out = step_attention(q, keys, values, mask, key_count)
+                    mask, slots = tree.visible, tree.slots
+                # key count = the step's last slot + 1: no key from there on is visible (the static
+                # cache's unfilled tail), so the kernels need not read it
+                out = step_attention(q, keys, values, mask, slots[-1:] + 1)
         out = out.transpose(1, 2).reshape(B, T, -1)
         if gate is not None:
             out = out * torch.sigmoid(gate)
