@@ -54,6 +54,7 @@ from qfd import kernels  # noqa: E402
 from qfd.kernels import attention_triton, gdn_fla, gdn_triton, gdn_verify_triton  # noqa: E402
 from qfd.draft_vocab import DraftVocabHead  # noqa: E402
 from qfd.kernels.int4_triton import BLOCK_M_32, MAGIC_DOT, MMA16, MMA16_ONE_ROW, PDL_LAUNCH, W_FIRST_DOT  # noqa: E402
+from qfd.models import cache as target_cache  # noqa: E402
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
 from qfd.models.fuse import fuse_projections, fusion_enabled  # noqa: E402
 from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps  # noqa: E402
@@ -206,6 +207,12 @@ def target_costs(model, max_len, block, measure, device, taps, compile_steps=Fal
 
             out[f"verify_{name}_ms"] = measure(verify)
             out[f"verify_rollback_{name}_ms"] = measure(verify_rollback)
+            if target_cache.ONE_LAUNCH_ROLLBACK and kernels.runs_on(blk):  # side by side: the GDN rollback as two copies per layer
+                target_cache.ONE_LAUNCH_ROLLBACK = False
+                try:
+                    out[f"verify_rollback_per_layer_{name}_ms"] = measure(verify_rollback)
+                finally:
+                    target_cache.ONE_LAUNCH_ROLLBACK = True
             if tree:
                 (ids, depths, ancestors), path = random_tree(tree, block - 1, device)
 
@@ -283,7 +290,7 @@ def kernel_profile(fn, device, iters: int = 10, top: int = 25) -> dict:
     }
 
 
-def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, num_drafts=None, compile_steps=False, group_size=128, kernel=None, out=None, on_update=None, fuse=True, compile_final=False, vocab_head=None, variants=None, compile_append=None) -> dict:
+def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, num_drafts=None, compile_steps=False, group_size=128, kernel=None, out=None, on_update=None, fuse=True, compile_final=False, vocab_head=None, variants=None, compile_append=None, profile=False) -> dict:
     """One draft (StaticDraftStep) and one context append of a verify's k + 1 taps
     (StaticAppendStep, what the engine replays; `append_eager_*` the Python-launched one) for a
     5-layer drafter, bf16 and INT4 (RTN), full attention and a 1024-token window, per context.
@@ -295,14 +302,17 @@ def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, n
     `vocab_head` (qfd.draft_vocab.DraftVocabHead, as `--draft-vocab N` serves it): the ledger's
     last drafter once more with it as its LM head (labels `int4_w1024_vocab_*`).
     `variants` [(precision, window, compiled, vocab head or None)] replaces that list;
-    `compile_append` (None: as the draft) whether the append is compiled too."""
+    `compile_append` (None: as the draft) whether the append is compiled too.
+    `profile`: also a kernel profile of the ledger's last drafter (`variants`' last) draft and
+    append at the first context (`out["profile"]`)."""
     out = {} if out is None else out
     rows = (num_drafts or block - 1) + 1
+    profiled = None if variants is None else variants[-1]
     if variants is None:  # the ledger's drafters in its order, then bf16 with a window
         final = [("int4", 1024, True, None)] if compile_final and not compile_steps else []
         vocab = [("int4", 1024, compile_steps or compile_final, vocab_head)] if vocab_head is not None else []
-        variants = [("bf16", None, compile_steps, None), ("int4", None, compile_steps, None), ("int4", 1024, compile_steps, None),
-                    *final, *vocab, ("bf16", 1024, compile_steps, None)]
+        ledger = [("bf16", None, compile_steps, None), ("int4", None, compile_steps, None), ("int4", 1024, compile_steps, None), *final, *vocab]
+        variants, profiled = [*ledger, ("bf16", 1024, compile_steps, None)], ledger[-1]
     for precision, window, compiled, vocab in variants:
         cfg = config_for_target(shape, num_layers=5, block_size=block, sliding_window=window, mask_token_id=shape["vocab_size"] - 1)
         torch.manual_seed(0)
@@ -330,6 +340,9 @@ def drafter_costs(shape, embed, head, device, dtype, block, measure, contexts, n
                     drafter.append_context(cache, new, context - rows)
 
             out[f"append_eager_{label}_ms"] = measure(append_eager, iters=20)
+            if profile and (precision, window, compiled, vocab) == profiled and context == contexts[0]:
+                out["profile"] = {f"draft {label}": kernel_profile(lambda: step(5, context), device),
+                                  f"append {label}": kernel_profile(lambda: append(new, context - rows), device)}
             del step, append, cache
         if on_update:
             on_update()
@@ -468,7 +481,7 @@ def main() -> None:
 
     results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "int4_magic_operand": MAGIC_DOT, "int4_block_m_32": BLOCK_M_32, "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels), "tree": args.tree,
                # the switches read from the environment (gpu_kernels_ab.sh sets them per variant)
-               "attention_kernel": "triton" if attention_triton.SPLIT_KERNEL else "torch", "gdn_verify": "chunk" if gdn_verify_triton.CHUNK_VERIFY else "loop", "int4_one_row": one_row_kernel(), "int4_prefetch": int4_linear.PREFETCH_NEXT, "gdn_prefetch": gdn_triton.PREFETCH,
+               "attention_kernel": "triton" if attention_triton.SPLIT_KERNEL else "torch", "gdn_verify": "chunk" if gdn_verify_triton.CHUNK_VERIFY else "loop", "int4_one_row": one_row_kernel(), "int4_prefetch": int4_linear.PREFETCH_NEXT, "gdn_prefetch": gdn_triton.PREFETCH, "gdn_rollback_one_launch": target_cache.ONE_LAUNCH_ROLLBACK,
                "int4_pdl": PDL_LAUNCH, "int4_w_first": W_FIRST_DOT, "int4_mma16": "all" if MMA16_ONE_ROW else MMA16, "draft_vocab": args.draft_vocab}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures
@@ -501,7 +514,7 @@ def main() -> None:
         torch.manual_seed(1)
         vocab_head = DraftVocabHead.of_target(int4, torch.randperm(shape["vocab_size"], device=device)[: args.draft_vocab])
     drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, contexts, num_drafts=draft_len, compile_steps=args.compile and not args.no_compile_drafter, group_size=args.group_size, kernel=args.int4_kernel, out=results["drafter"], on_update=save, fuse=fuse,
-                  compile_final=args.compile and args.compile_final_drafter, vocab_head=vocab_head)
+                  compile_final=args.compile and args.compile_final_drafter, vocab_head=vocab_head, profile=args.profile)
     if device.type == "cuda":
         results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     save()
@@ -572,6 +585,12 @@ def report(results: dict) -> None:
             other = results["int4"].get(f"prefill_chunked_{name}_ms", results["int4"].get(f"prefill_before_{name}_ms"))
             target.add_row(name, *(f"{results[t][k]:.3f}" for t, k in keys), "-" if other is None else f"{other:.3f}")
     console.print(target)
+    for t in ("bf16", "int4"):  # the one-launch GDN rollback beside the per-layer copies, same run
+        for name in results["settings"]:
+            per_layer = results.get(t, {}).get(f"verify_rollback_per_layer_{name}_ms")
+            if per_layer is not None:
+                one = results[t][f"verify_rollback_{name}_ms"]
+                console.print(f"{t} {name}: verify + 2 GDN rollbacks {one:.3f} ms in one launch each, {per_layer:.3f} ms as two copies per layer ({per_layer / one:.2f}x)")
     prefill_forms = (("prefill", "eager (served for long prompts)"), ("prefill_qfd_gdn", "eager, qfd's own chunked GDN (not flash-linear-attention)"),
                      ("prefill_fla_conv", "eager, flash-linear-attention's conv too (QFD_GDN_PROMPT_CONV=fla)"),
                      ("prefill_torch_conv", "eager, qfd's conv before flash-linear-attention's rule (QFD_GDN_PROMPT_CONV=torch)"),
@@ -615,7 +634,7 @@ def report(results: dict) -> None:
         if f"draft_{precision}_w1024_ctx{big}_ms" in d and f"draft_{precision}_wfull_ctx{big}_ms" in d:
             console.print(f"drafter ({precision}) draft at {big} vs 1024 context: full attention {d[f'draft_{precision}_wfull_ctx{big}_ms'] / d[f'draft_{precision}_wfull_ctx1024_ms']:.2f}x, W=1024 {d[f'draft_{precision}_w1024_ctx{big}_ms'] / d[f'draft_{precision}_w1024_ctx1024_ms']:.2f}x")
     console.print({k: round(v, 4) for k, v in {**d, **{f"bf16_{k}": v for k, v in results.get("bf16", {}).items()}, **{f"int4_{k}": v for k, v in results.get("int4", {}).items()}}.items() if isinstance(v, float)})
-    for target in ("bf16", "int4"):
+    for target in ("bf16", "int4", "drafter"):
         for step, prof in results.get(target, {}).get("profile", {}).items():
             t = Table(title=f"{target} {step}: {prof['kernel_us_per_step']:.0f} us of kernels in {prof['kernels_per_step']:.0f} launches per step (top kernels)")
             for col in ("kernel", "us / step", "calls / step"):

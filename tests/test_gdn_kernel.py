@@ -364,3 +364,69 @@ def test_a_failing_flash_linear_attention_prefill_falls_back_to_qfds_form(monkey
     assert torch.equal(out, expected) and torch.equal(final, expected_final)
     chunked_gated_delta(q, k, v, g, beta, state, chunk_size=16)
     assert calls == [1]  # not retried
+
+
+def rolled_back_caches(device, dtype, T=16, layers=3, C=40, K=4, H=4, dk=16, dv=24, seed=0):
+    """Two identical TargetCaches of `layers` GDN states, as after a T-token forward: random
+    live / start / history / conv state and a random conv window per layer."""
+    from qfd.models.cache import GDNState, TargetCache
+
+    torch.manual_seed(seed)
+    caches = []
+    for _ in range(2):
+        caches.append(TargetCache({}, {}, {i: GDNState(1, C, K, H, dk, dv, 16, dtype, device) for i in range(layers)}, max_len=64, static=True))
+    for i in range(layers):
+        values = [torch.randn(1, C, K - 1 + T).to(dtype), torch.randn(1, H, dk, dv), torch.randn(1, H, dk, dv), torch.randn(1, 16, H, dk, dv), torch.randn(1, C, K - 1).to(dtype)]
+        for cache in caches:
+            state = cache.gdn[i]
+            window, recurrent, start, history, conv = (v.to(device) for v in values)
+            state.recurrent.copy_(recurrent), state.start.copy_(start), state.history.copy_(history), state.conv.copy_(conv)
+            state.window, state.steps = window, T
+    for cache in caches:  # the T-token forward these states came from
+        cache.begin(T)
+        cache.end(T)
+    return caches
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("keep", [0, 1, 7, 15])
+def test_one_launch_rollback_equals_the_per_layer_copies(dtype, keep, monkeypatch):
+    """`TargetCache.rollback` restores every layer's recurrent and conv state in one Triton
+    launch (gdn_rollback_triton) bit for bit as the per-layer copies (ONE_LAUNCH_ROLLBACK off)."""
+    from qfd.kernels import gdn_rollback_triton
+    from qfd.models import cache as cache_module
+
+    launches = []
+    real_restore = gdn_rollback_triton.restore
+    monkeypatch.setattr(gdn_rollback_triton, "restore", lambda *args, **kw: launches.append(1) or real_restore(*args, **kw))
+    one_launch, per_layer = rolled_back_caches(KERNEL_DEVICE, dtype)
+    one_launch.rollback(keep)
+    monkeypatch.setattr(cache_module, "ONE_LAUNCH_ROLLBACK", False)
+    per_layer.rollback(keep)
+    assert launches == [1]
+    for i, state in one_launch.gdn.items():
+        assert torch.equal(state.recurrent, per_layer.gdn[i].recurrent)
+        assert torch.equal(state.conv, per_layer.gdn[i].conv)
+        assert not torch.equal(state.recurrent, per_layer.gdn[i].history[:, keep])  # the slot, not its neighbour
+
+
+@needs_triton
+@pytest.mark.parametrize("node", [0, 5, 15])
+def test_one_launch_tree_keep_equals_the_per_layer_copies(node, monkeypatch):
+    """`keep_tree_path`: the kept node's state and its path's conv columns, in one launch."""
+    from qfd.models import cache as cache_module
+
+    one_launch, per_layer = rolled_back_caches(KERNEL_DEVICE, torch.bfloat16)
+    conv_index = torch.randint(0, 3 + 16, (16, 4), generator=torch.Generator().manual_seed(node)).to(KERNEL_DEVICE)
+    for cache in (one_launch, per_layer):
+        cache.kv = torch.zeros(1)  # a tree path is kept only in a model's cache; no attention layers here
+        for state in cache.gdn.values():
+            state.tree_conv = conv_index
+    one_launch.keep_tree_path([node])  # the path's last node is the one kept
+    monkeypatch.setattr(cache_module, "ONE_LAUNCH_ROLLBACK", False)
+    per_layer.keep_tree_path([node])
+    for i, state in one_launch.gdn.items():
+        assert torch.equal(state.recurrent, per_layer.gdn[i].recurrent)
+        assert torch.equal(state.conv, per_layer.gdn[i].conv)
+        assert state.window is None and state.steps == 0

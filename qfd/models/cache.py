@@ -25,11 +25,12 @@ Rollback (speculative decoding keeps only the accepted prefix of a verified bloc
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
 
-from qfd.kernels import gdn_triton, runs_on
+from qfd.kernels import gdn_rollback_triton, gdn_triton, launch_or_fallback, runs_on
 from qfd.models.gdn import chunked_gated_delta, recurrent_gated_delta, tree_gated_delta
 
 # Decode / verify steps through the fused Triton kernel where it runs (CUDA); False = the torch
@@ -38,6 +39,10 @@ FUSED_STEP = True
 # ... and with the conv, SiLU, q/k normalisation and gates folded into that kernel too (one
 # kernel per layer instead of ~9 between the projections; bench_steps.py --no-fused-conv).
 FUSED_CONV = True
+# Roll every Gated DeltaNet layer back (or keep a tree node) in one Triton launch where it runs
+# (`gdn_rollback_triton`) instead of two eager copies per layer (48 launches at Qwen3.5-4B shape);
+# QFD_GDN_ROLLBACK=per_layer keeps the copies (bench/gpu_kernels_ab.sh variant rollback_per_layer).
+ONE_LAUNCH_ROLLBACK = os.environ.get("QFD_GDN_ROLLBACK", "one_launch") != "per_layer"
 
 
 class GDNState:
@@ -145,6 +150,7 @@ class TargetCache:
         self.static = static
         self.length = 0
         self._last_start = 0  # length before the last forward
+        self._address_tables: dict[tuple, torch.Tensor] = {}  # for _restore_in_one_launch
 
     def begin(self, steps: int) -> int:
         """Reserve `steps` positions for a forward; returns its first position."""
@@ -181,9 +187,34 @@ class TargetCache:
         if not self._last_start <= n <= self.length:
             raise ValueError(f"rollback({n}) outside the last forward (positions {self._last_start}..{self.length})")
         keep = n - self._last_start
-        for state in self.gdn.values():
-            state.rollback(keep)
+        states = list(self.gdn.values())
+        one_launch = bool(states) and keep != states[0].steps and self._restore_in_one_launch(states, keep - 1, first_column=keep)
+        if not one_launch:
+            for state in states:
+                state.rollback(keep)
         self.length = n
+
+    def _restore_in_one_launch(self, states: list[GDNState], slot: int, first_column: int = 0, columns: torch.Tensor | None = None) -> bool:
+        """Every GDN layer's recurrent state from history slot `slot` (-1: its start) and conv
+        state from its window's columns (`first_column` + j, or `columns`), in one kernel launch
+        (`gdn_rollback_triton`). False where that does not apply - the per-layer copies then
+        do the same - : not on a Triton device, batch > 1, or a forward whose states are not all
+        in the history (a prompt's, which recomputes)."""
+        first = states[0]
+        window = first.window
+        if not (ONE_LAUNCH_ROLLBACK and window is not None and runs_on(first.recurrent) and first.recurrent.shape[0] == 1
+                and first.conv.element_size() in (2, 4) and window.dtype == first.conv.dtype):
+            return False
+        if any(s.inputs is not None or s.window is None or s.steps != first.steps or s.window.shape != window.shape or not s.window.is_contiguous() for s in states):
+            return False
+        # the table of buffer addresses: one per set of windows (a graphed step reuses its own)
+        key = tuple(s.window.data_ptr() for s in states)
+        table = self._address_tables.get(key)
+        if table is None:
+            if len(self._address_tables) > 8:  # eager forwards: a new window every step
+                self._address_tables.clear()
+            table = self._address_tables[key] = gdn_rollback_triton.address_table(states)
+        return launch_or_fallback("Gated DeltaNet rollback (all layers)", lambda: gdn_rollback_triton.restore(table, first, slot, first_column, columns) or True, lambda: False)
 
     def keep_tree_path(self, path: list[int]) -> None:
         """After a tree verify (qfd.tree): keep the tokens of tree nodes `path` (root first,
@@ -200,8 +231,14 @@ class TargetCache:
             # every layer's K and V at once (views of self.kv): two kernels on a GPU
             src = torch.tensor(path, device=self.kv.device) + start
             self.kv[..., start : start + n, :] = self.kv.index_select(-2, src)
-        for state in self.gdn.values():
-            state.keep_tree_node(path[-1])
+        states = list(self.gdn.values())
+        node = path[-1]
+        if states and states[0].tree_conv is not None and self._restore_in_one_launch(states, node, columns=states[0].tree_conv[node, 1:]):
+            for state in states:
+                state.steps, state.window, state.tree_conv = 0, None, None
+        else:
+            for state in states:
+                state.keep_tree_node(node)
         self.length = start + n
 
     def reset(self) -> None:
