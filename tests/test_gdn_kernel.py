@@ -430,3 +430,68 @@ def test_one_launch_tree_keep_equals_the_per_layer_copies(node, monkeypatch):
         assert torch.equal(state.recurrent, per_layer.gdn[i].recurrent)
         assert torch.equal(state.conv, per_layer.gdn[i].conv)
         assert state.window is None and state.steps == 0
+
+
+def test_token_records_replay_to_the_history_exactly():
+    """The torch reference's per-token records (k, delta, decay) rebuild every position's
+    state bit for bit: what a rollback from records returns equals the history's slot."""
+    from qfd.models.gdn import replay_update
+
+    q, k, v, g, beta, state = step_inputs(T=6)
+    history = torch.zeros(1, 6, *state.shape[1:])
+    records = torch.zeros(1, 6, state.shape[1], k.shape[-1] + v.shape[-1] + 1)
+    out_states, final_states = recurrent_gated_delta(q, k, v, g, beta, state, history=history)
+    out_records, final_records = recurrent_gated_delta(q, k, v, g, beta, state, records=records)
+    assert torch.equal(out_states, out_records) and torch.equal(final_states, final_records)
+    replayed = state
+    for t in range(6):
+        replayed = replay_update(replayed, records[:, t])
+        assert torch.equal(replayed, history[:, t])
+
+
+def conv_step_states(monkeypatch, dtype, T):
+    """Two GDN caches of one layer advanced by the same conv-step forward of T tokens: one
+    recording the history (states), one the token records (QFD_GDN_HISTORY=records)."""
+    from qfd.models import cache as cache_module
+
+    (window, conv_weight, a, b, A_log, dt_bias, state0), (k_heads, dk, H, dv) = conv_step_inputs(dtype, KERNEL_DEVICE, B=1, T=T)
+    caches, outs = [], []
+    for records in (False, True):
+        monkeypatch.setattr(cache_module, "RECORD_UPDATES", records)
+        gdn = cache_module.GDNState(1, window.shape[1], conv_weight.shape[-1], H, dk, dv, 16, dtype, KERNEL_DEVICE)
+        gdn.recurrent.copy_(state0)
+        cache = cache_module.TargetCache({}, {}, {0: gdn}, max_len=64, static=True)
+        cache.begin(T)
+        outs.append(gdn.advance_window(window, conv_weight, a, b, A_log, dt_bias, k_heads))
+        cache.end(T)
+        assert gdn.from_records is records
+        caches.append(cache)
+    return caches, outs
+
+
+@needs_triton
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_conv_kernel_token_records_roll_back_bit_for_bit(prefetch, dtype, monkeypatch):
+    """The conv-step kernel writing token records instead of states gives the same outputs,
+    state and conv state, and a rollback from its records (one launch for all layers, or the
+    layer's own) restores exactly the state the history held for that position."""
+    from qfd.models import cache as cache_module
+
+    monkeypatch.setattr(gdn_triton, "PREFETCH", prefetch)
+    T = 7
+    (states, records), (out_states, out_records) = conv_step_states(monkeypatch, dtype, T)
+    history_state, record_state = states.gdn[0], records.gdn[0]
+    assert torch.equal(out_states, out_records)
+    assert torch.equal(history_state.recurrent, record_state.recurrent) and torch.equal(history_state.conv, record_state.conv)
+    assert torch.equal(history_state.start, record_state.start)
+    expected = {keep: history_state.history[:, keep - 1].clone() for keep in range(1, T)}
+    for keep in (5, 2, 0):  # each within the same forward
+        for one_launch in (True, False):
+            monkeypatch.setattr(cache_module, "ONE_LAUNCH_ROLLBACK", one_launch)
+            records.rollback(keep)
+            states.rollback(keep)
+            assert torch.equal(record_state.recurrent, history_state.recurrent), (keep, one_launch)
+            assert torch.equal(record_state.conv, history_state.conv)
+            if keep:
+                assert torch.equal(record_state.recurrent, expected[keep])

@@ -36,6 +36,11 @@ def runs_on(x) -> bool:
 _FAILED: set[str] = set()
 
 
+def kernel_failures() -> frozenset[str]:
+    """The kernels that have failed here and run their torch fallbacks since."""
+    return frozenset(_FAILED)
+
+
 def launch_or_fallback(name: str, launch, fallback):
     """`launch()`, or `fallback()` once kernel `name` has failed (warned once, at the failure).
     Compilation errors raise before the launch touches any output, so the fallback starts clean."""

@@ -1,13 +1,20 @@
 """Every Gated DeltaNet layer's rollback in one kernel launch.
 
-After a verify keeps `keep` of its T tokens, each GDN layer restores its recurrent state (the
-saved start, or the history slot of its last kept token) and its conv state (K-1 columns of the
-forward's conv window): two copies per layer, 48 at Qwen3.5-4B shape. Run eagerly between graph
-replays they cost what the CPU needs to launch them: 0.214 ms on the H200 (seventeenth session's
-ledger, 4.4% of a speculative step) for ~50 MB of copying, ~15 us of HBM time. Here one program
-grid covers all layers: each layer's five buffers are read from a table of addresses (int64
-`data_ptr`s, one row per layer), so one launch restores every layer whatever buffers a step
-captured. The copies are bit copies (ints of the element's width): no dtype conversion.
+After a verify keeps `keep` of its T tokens, each GDN layer restores its recurrent state and its
+conv state (K-1 columns of the forward's conv window). Done per layer - two eager copies each,
+48 launches at Qwen3.5-4B shape between graph replays - that costs what the CPU needs to launch
+them: 0.214 ms on the H200 (seventeenth session's ledger, 4.4% of a speculative step) for ~50 MB
+of copying, ~15 us of HBM time. Here one program grid covers all layers: each layer's buffers
+are read from a table of addresses (int64 `data_ptr`s, one row per layer), so one launch
+restores every layer whatever buffers a step captured.
+
+The recurrent state comes from one of:
+- the saved start (keep = 0) or a history slot (the state after the last kept token), a bit copy;
+- the forward's token records (`qfd.models.gdn.delta_rule`'s k, delta, decay per token and head,
+  written instead of the history by `gated_delta_conv_step`): the start with the first `keep`
+  updates replayed, `fma(k, delta, state * decay)` per element as the step kernel rounds them
+  (`gdn_triton._apply_update`), so the result equals the state the step computed bit for bit.
+The conv state is a bit copy of window columns (ints of the element's width).
 
 A tree verify keeps one node's path the same way: the state from that node's history slot, the
 conv columns gathered by the node's window indices (`qfd.models.gdn.tree_structure`).
@@ -19,30 +26,64 @@ import torch
 
 from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, tl, triton  # noqa: F401 (tl: the kernel)
 
-# A table row: where one layer's buffers live (element addresses, B = 1).
-RECURRENT, START, HISTORY, CONV, WINDOW = range(5)
-STATE_BLOCK = 4096  # float32 elements of recurrent state per program (16 KB)
+STATE_BLOCK = 4096  # float32 elements of recurrent state per program copied (16 KB)
+REPLAY_BLOCK = 1024  # ... per program replayed from records (a [8, 128] tile at dv = 128)
 
 if _HAVE_TRITON:
+    # A table row: where one layer's buffers live (element addresses, B = 1; RECORDS 0 if none).
+    RECURRENT, START, HISTORY, CONV, WINDOW, RECORDS, COLUMNS = (tl.constexpr(i) for i in range(7))
 
     @triton.jit
-    def _restore_kernel(table, columns, history_offset, first_column, state_numel, conv_rows, window_cols,
-                        KM1: tl.constexpr, KM1_P2: tl.constexpr, CONV_BITS: tl.constexpr, FROM_START: tl.constexpr,
-                        GATHER: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-        """Program (layer, chunk): BLOCK elements of the layer's recurrent state from `start`
-        (FROM_START) or the history `history_offset` elements in, and ROWS rows of its conv state
-        from the window: columns first_column + j, or columns[j] (GATHER)."""
+    def _restore_kernel(table, columns, history_offset, first_column, replayed, state_numel, conv_rows, window_cols, H,
+                        DK: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, KM1: tl.constexpr, KM1_P2: tl.constexpr,
+                        CONV_BITS: tl.constexpr, SOURCE: tl.constexpr, GATHER: tl.constexpr, WITH_CONV: tl.constexpr,
+                        BLOCK: tl.constexpr, STATE_ROWS: tl.constexpr, ROWS: tl.constexpr):
+        """Program (layer, chunk): a block of the layer's [H, DK, DV] recurrent state - SOURCE 0:
+        BLOCK elements from `start`; 1: from the history `history_offset` elements in; 2:
+        STATE_ROWS rows (of H * DK) from `start` with the first `replayed` token records
+        applied - and (WITH_CONV) ROWS rows of its conv state from the window: columns
+        first_column + j, or columns[j] (GATHER)."""
         layer, chunk = tl.program_id(0), tl.program_id(1)
-        row = table + layer * 5
-        if FROM_START:
-            src = tl.load(row + START).to(tl.pointer_type(tl.int32))
+        row = table + layer * COLUMNS
+        if SOURCE == 2:
+            _replay_records(row, chunk, replayed, H, DK, DV, DVP, STATE_ROWS)
         else:
-            src = tl.load(row + HISTORY).to(tl.pointer_type(tl.int32)) + history_offset
-        dst = tl.load(row + RECURRENT).to(tl.pointer_type(tl.int32))
-        offs = chunk * BLOCK + tl.arange(0, BLOCK)
-        inside = offs < state_numel
-        tl.store(dst + offs, tl.load(src + offs, mask=inside), mask=inside)
+            offs = chunk * BLOCK + tl.arange(0, BLOCK)
+            inside = offs < state_numel
+            if SOURCE == 0:
+                src = tl.load(row + START).to(tl.pointer_type(tl.int32))
+            else:
+                src = tl.load(row + HISTORY).to(tl.pointer_type(tl.int32)) + history_offset
+            dst = tl.load(row + RECURRENT).to(tl.pointer_type(tl.int32))
+            tl.store(dst + offs, tl.load(src + offs, mask=inside), mask=inside)
+        if WITH_CONV:
+            _restore_conv(row, columns, first_column, conv_rows, window_cols, chunk, KM1, KM1_P2, CONV_BITS, GATHER, ROWS)
 
+    @triton.jit
+    def _replay_records(row, chunk, replayed, H, DK: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, STATE_ROWS: tl.constexpr):
+        """STATE_ROWS rows (block `chunk` of the H * DK rows) of the recurrent state: the start
+        with the first `replayed` token records' updates, in the step kernel's rounding."""
+        rows = chunk * STATE_ROWS + tl.arange(0, STATE_ROWS)
+        cols = tl.arange(0, DVP)
+        head, i = rows // DK, rows % DK
+        row_in = rows < H * DK
+        mask = row_in[:, None] & (cols < DV)[None, :]
+        tile = rows[:, None] * DV + cols[None, :]
+        state = tl.load(tl.load(row + START).to(tl.pointer_type(tl.float32)) + tile, mask=mask, other=0.0)
+        records = tl.load(row + RECORDS).to(tl.pointer_type(tl.float32))
+        for t in range(replayed):
+            rec = records + (t * H + head) * (DK + DV + 1)  # [STATE_ROWS] this token's record of each row's head
+            decay = tl.load(rec + DK + DV, mask=row_in, other=0.0)
+            k = tl.load(rec + i, mask=row_in, other=0.0)
+            delta = tl.load(rec[:, None] + DK + cols[None, :], mask=mask, other=0.0)
+            state = tl.fma(k[:, None], delta, state * decay[:, None])  # gdn_triton._apply_update's rounding
+        tl.store(tl.load(row + RECURRENT).to(tl.pointer_type(tl.float32)) + tile, state, mask=mask)
+
+    @triton.jit
+    def _restore_conv(row, columns, first_column, conv_rows, window_cols, chunk,
+                      KM1: tl.constexpr, KM1_P2: tl.constexpr, CONV_BITS: tl.constexpr, GATHER: tl.constexpr, ROWS: tl.constexpr):
+        """ROWS rows (block `chunk`) of a layer's conv state [C, KM1] from its window [C,
+        window_cols]: columns first_column + j, or columns[j] (GATHER); a bit copy."""
         conv_type = tl.int16 if CONV_BITS == 16 else tl.int32
         conv = tl.load(row + CONV).to(tl.pointer_type(conv_type))
         window = tl.load(row + WINDOW).to(tl.pointer_type(conv_type))
@@ -58,25 +99,32 @@ if _HAVE_TRITON:
 
 
 def address_table(states) -> torch.Tensor:
-    """[layers, 5] int64 addresses of each GDNState's recurrent, start, history, conv and window
-    (the window of its last forward), on the states' device."""
-    rows = [[s.recurrent.data_ptr(), s.start.data_ptr(), s.history.data_ptr(), s.conv.data_ptr(), s.window.data_ptr()] for s in states]
+    """[layers, 6] int64 addresses of each GDNState's recurrent, start, history, conv, window (of
+    its last forward) and token records (0 without), on the states' device."""
+    rows = [[s.recurrent.data_ptr(), s.start.data_ptr(), s.history.data_ptr(), s.conv.data_ptr(), s.window.data_ptr(),
+             0 if s.records is None else s.records.data_ptr()] for s in states]
     return torch.tensor(rows, dtype=torch.int64, device=states[0].recurrent.device)
 
 
-def restore(table: torch.Tensor, state, slot: int, first_column: int = 0, columns: torch.Tensor | None = None) -> None:
-    """Restore every layer in `table` (all shaped like GDNState `state`, batch 1): recurrent
-    state from history slot `slot` (-1: the saved start), conv state from window columns
+def restore(table: torch.Tensor, state, slot: int = -1, first_column: int = 0, columns: torch.Tensor | None = None, replayed: int | None = None,
+            with_conv: bool = True) -> None:
+    """Restore every layer in `table` (all shaped like GDNState `state`, batch 1): the recurrent
+    state from history slot `slot` (-1: the saved start), or with `replayed` = n from the start
+    and the first n token records; with `with_conv` the conv state from window columns
     `first_column` + j (or `columns` [K-1], int64, on the device)."""
     layers = table.shape[0]
+    _, heads, dk, dv = state.recurrent.shape
     state_numel = state.recurrent.numel()
     conv_rows, km1 = state.conv.shape[1], state.conv.shape[2]
-    chunks = triton.cdiv(state_numel, STATE_BLOCK)
+    source = 2 if replayed else 0 if slot < 0 else 1
+    dvp = triton.next_power_of_2(dv)
+    state_rows = max(1, REPLAY_BLOCK // dvp)
+    chunks = triton.cdiv(heads * dk, state_rows) if source == 2 else triton.cdiv(state_numel, STATE_BLOCK)
     rows_per_chunk = triton.next_power_of_2(triton.cdiv(conv_rows, chunks))
     chunks = max(chunks, triton.cdiv(conv_rows, rows_per_chunk))
     _restore_kernel[(layers, chunks)](
-        table, table if columns is None else columns, max(slot, 0) * state_numel, first_column, state_numel, conv_rows, state.window.shape[-1],
-        KM1=km1, KM1_P2=triton.next_power_of_2(km1), CONV_BITS=state.conv.element_size() * 8, FROM_START=slot < 0,
-        GATHER=columns is not None,
-        BLOCK=STATE_BLOCK, ROWS=rows_per_chunk, num_warps=4,
+        table, table if columns is None else columns, max(slot, 0) * state_numel, first_column, replayed or 0, state_numel, conv_rows,
+        state.window.shape[-1], heads,
+        DK=dk, DV=dv, DVP=dvp, KM1=km1, KM1_P2=triton.next_power_of_2(km1), CONV_BITS=state.conv.element_size() * 8, SOURCE=source,
+        GATHER=columns is not None, WITH_CONV=with_conv, BLOCK=STATE_BLOCK, STATE_ROWS=state_rows, ROWS=rows_per_chunk, num_warps=4,
     )

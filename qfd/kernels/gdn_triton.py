@@ -50,12 +50,20 @@ if _HAVE_TRITON:
 
     @triton.jit
     def _delta_rule(state, q_t, k_t, v_t, decay, beta):
-        """One token of the gated delta rule on a [DK, BV] state slice: (new state, output [BV])."""
+        """One token of the gated delta rule on a [DK, BV] state slice: (new state, output [BV],
+        the token's delta [BV]: with k_t and decay what its update was)."""
         state = state * decay
         predicted = tl.sum(k_t[:, None] * state, axis=0)  # [BV]
         delta = (v_t - predicted) * beta
-        state = state + k_t[:, None] * delta[None, :]
-        return state, tl.sum(q_t[:, None] * state, axis=0)
+        state = _apply_update(state, k_t[:, None], delta[None, :])
+        return state, tl.sum(q_t[:, None] * state, axis=0), delta
+
+    @triton.jit
+    def _apply_update(decayed, k, delta):
+        """The state after a token's update, from the decayed state: one explicit fused
+        multiply-add per element, so a rollback replaying the update from a token record
+        (`gdn_rollback_triton`) rounds exactly as the step did."""
+        return tl.fma(k, delta, decayed)
 
     @triton.jit
     def _state_tile(DV, DK: tl.constexpr, BV: tl.constexpr):
@@ -77,7 +85,7 @@ if _HAVE_TRITON:
         v_t = tl.load(v_ptr + row * DV + offs_v, mask=v_mask, other=0.0)
         decay = tl.exp(tl.load(g_ptr + row))
         beta = tl.load(b_ptr + row)
-        state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
+        state, out, _ = _delta_rule(state, q_t, k_t, v_t, decay, beta)
         tl.store(o_ptr + row * DV + offs_v, out, mask=v_mask)
         return state
 
@@ -165,25 +173,25 @@ if _HAVE_TRITON:
         return decay, beta
 
     @triton.jit
-    def _conv_token(state, t, b, h, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
+    def _conv_token(state, t, b, h, vb, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
                     k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale,
-                    DK: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr):
+                    DK: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr, RECORDS: tl.constexpr):
         """Token t of `_gated_delta_conv_kernel`: its conv weights, window columns and gates
         loaded here, in the token's turn (after the previous token's stores), then
         `_conv_token_loaded`; returns the new state."""
         ab = (b * T + t) * AB_ROW + h
         decay, beta = _decay_beta(tl.load(a_ptr + ab), tl.load(b_ptr + ab), neg_a, dt_bias, ROUND)
-        return _conv_token_loaded(state, t, b, h, T, H, DV, HIST_T, o_ptr, hist_ptr,
+        return _conv_token_loaded(state, t, b, h, vb, T, H, DV, HIST_T, o_ptr, hist_ptr,
                                   _window_columns(win, c_q, k_mask, t, T, W, KC, KCP), _window_columns(win, c_k, k_mask, t, T, W, KC, KCP),
                                   _window_columns(win, c_v, v_mask, t, T, W, KC, KCP), _conv_weights(cw_ptr, c_q, k_mask, KC, KCP),
                                   _conv_weights(cw_ptr, c_k, k_mask, KC, KCP), _conv_weights(cw_ptr, c_v, v_mask, KC, KCP),
-                                  decay, beta, v_mask, offs_v, tile, tile_mask, scale, DK, ROUND)
+                                  decay, beta, v_mask, offs_v, tile, tile_mask, scale, DK, ROUND, RECORDS)
 
     @triton.jit
     def _gated_delta_conv_kernel(
         win_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, start_ptr, hist_ptr, conv_ptr,
         T, H, DV, HIST_T, C, W, KD, REP, scale, AB_ROW,
-        DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr,
+        DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr, RECORDS: tl.constexpr,
     ):
         """`_gated_delta_kernel` computing its own inputs: program (batch*head, dv block) reads
         the conv window [B, C, W = KC-1+T] (channels: q [0, KD), k [KD, 2KD), v [2KD, C)),
@@ -201,8 +209,8 @@ if _HAVE_TRITON:
         state = tl.load(s_ptr + state_off + tile, mask=tile_mask, other=0.0)
         tl.store(start_ptr + state_off + tile, state, mask=tile_mask)
         for t in range(T):
-            state = _conv_token(state, t, b, h, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
-                                k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale, DK, KC, KCP, ROUND)
+            state = _conv_token(state, t, b, h, vb, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
+                                k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale, DK, KC, KCP, ROUND, RECORDS)
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
         _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
 
@@ -242,7 +250,7 @@ if _HAVE_TRITON:
     def _gated_delta_conv_prefetch_kernel(
         win_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, start_ptr, hist_ptr, conv_ptr,
         T, H, DV, HIST_T, C, W, KD, REP, scale, AB_ROW,
-        DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr, TP: tl.constexpr,
+        DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr, RECORDS: tl.constexpr, TP: tl.constexpr,
     ):
         """`_gated_delta_conv_kernel` (same arguments, results and float32 ops; TP: T rounded up
         to a power of two) with its loads issued ahead of the token chain: the conv weights and
@@ -270,8 +278,8 @@ if _HAVE_TRITON:
             next_q = _window_columns(win, c_q, k_mask, t + 1, T, W, KC, KCP)
             next_k = _window_columns(win, c_k, k_mask, t + 1, T, W, KC, KCP)
             next_v = _window_columns(win, c_v, v_mask, t + 1, T, W, KC, KCP)
-            state = _conv_token_loaded(state, t, b, h, T, H, DV, HIST_T, o_ptr, hist_ptr, x_q, x_k, x_v, w_q, w_k, w_v,
-                                       _pick(decays, offs_t, t), _pick(betas, offs_t, t), v_mask, offs_v, tile, tile_mask, scale, DK, ROUND)
+            state = _conv_token_loaded(state, t, b, h, vb, T, H, DV, HIST_T, o_ptr, hist_ptr, x_q, x_k, x_v, w_q, w_k, w_v,
+                                       _pick(decays, offs_t, t), _pick(betas, offs_t, t), v_mask, offs_v, tile, tile_mask, scale, DK, ROUND, RECORDS)
             x_q, x_k, x_v = next_q, next_k, next_v
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
         _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
@@ -305,19 +313,34 @@ if _HAVE_TRITON:
         return tl.sum(tl.where(offs_t == t, vec, 0.0), axis=0)
 
     @triton.jit
-    def _conv_token_loaded(state, t, b, h, T, H, DV, HIST_T, o_ptr, hist_ptr, x_q, x_k, x_v, w_q, w_k, w_v, decay, beta,
-                           v_mask, offs_v, tile, tile_mask, scale, DK: tl.constexpr, ROUND: tl.constexpr):
+    def _conv_token_loaded(state, t, b, h, vb, T, H, DV, HIST_T, o_ptr, hist_ptr, x_q, x_k, x_v, w_q, w_k, w_v, decay, beta,
+                           v_mask, offs_v, tile, tile_mask, scale, DK: tl.constexpr, ROUND: tl.constexpr, RECORDS: tl.constexpr):
         """`_conv_token` from inputs already in registers (window columns x_*, weights w_*, the
-        token's gates): the same ops, then its output and history tile; returns the new state."""
+        token's gates): the same ops, then its output and its history tile - or, RECORDS, its
+        record (k, delta, decay: `_token_record`); returns the new state."""
         q_t = _silu_of_conv(w_q, x_q, ROUND)
         k_t = _silu_of_conv(w_k, x_k, ROUND)
         v_t = _silu_of_conv(w_v, x_v, ROUND)
         q_t = q_t * tl.rsqrt(tl.sum(q_t * q_t, axis=0) + 1e-6) * scale  # prepare_qk
         k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=0) + 1e-6)
-        state, out = _delta_rule(state, q_t, k_t, v_t, decay, beta)
+        state, out, delta = _delta_rule(state, q_t, k_t, v_t, decay, beta)
         tl.store(o_ptr + ((b * T + t) * H + h) * DV + offs_v, out, mask=v_mask)
-        tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
+        if RECORDS:
+            _token_record(hist_ptr + ((b * HIST_T + t) * H + h) * (DK + DV + 1), k_t, delta, decay, vb, offs_v, v_mask, DK, DV)
+        else:
+            tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
         return state
+
+    @triton.jit
+    def _token_record(rec, k_t, delta, decay, vb, offs_v, v_mask, DK: tl.constexpr, DV):
+        """A token's record [k (DK) | delta (DV) | decay] for one head: what its update was,
+        from which a rollback rebuilds the state after it (DK + DV + 1 floats instead of the
+        DK x DV state). Each program writes its delta slice; the first of the head also k and
+        the decay."""
+        tl.store(rec + DK + offs_v, delta, mask=v_mask)
+        if vb == 0:
+            tl.store(rec + tl.arange(0, DK), k_t)
+            tl.store(rec + DK + DV, decay)
 
 
 @torch.library.custom_op("qfd::gated_delta_conv_step", mutates_args=("state", "start", "history", "conv_state"))
@@ -326,18 +349,27 @@ def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: to
     """`gated_delta_step` from the layer's raw inputs: window [B, C, K-1+T] (conv state, then
     the new tokens' q/k/v channels), conv_weight [C, 1, K], a, b [B, T, H], A_log, dt_bias [H]
     (`qfd.models.gdn.conv_and_gates` computes the step's q/k/v/g/beta from them). Also writes
-    the new conv state (`conv_state` [B, C, K-1] <- the window's last K-1 columns). Returns
-    the output [B, T, H, dv] float32. Without a usable Triton: the torch reference."""
+    the new conv state (`conv_state` [B, C, K-1] <- the window's last K-1 columns). `history`
+    [B, >=T, H, dk, dv] receives every position's state, or, given as [B, >=T, H, dk + dv + 1],
+    every token's record (k, delta, decay: `qfd.models.gdn.recurrent_gated_delta`'s `records`),
+    1/64 of the bytes at dk = dv = 128. Returns the output [B, T, H, dv] float32. Without a
+    usable Triton: the torch reference."""
     B, C, W = window.shape
     T, H = a.shape[1], a.shape[2]
     dk, dv = state.shape[-2], state.shape[-1]
     kc = conv_weight.shape[-1]
+    records = history.dim() == 4  # [B, HIST_T, H, dk + dv + 1]: per-token records, not states
 
     def reference():  # conv and gates in torch, then the recurrence op (its kernel where it runs)
-        from qfd.models.gdn import conv_and_gates
+        from qfd.models.gdn import conv_and_gates, recurrent_gated_delta
 
         q, k, v, g, beta = conv_and_gates(window, conv_weight, a, b, A_log, dt_bias, (k_heads, dk, H, dv), window.dtype)
-        out = gated_delta_step(q, k, v, g, beta, state, start, history)
+        if records:
+            start.copy_(state)
+            out, final = recurrent_gated_delta(q, k, v, g, beta, state, records=history)
+            state.copy_(final)
+        else:
+            out = gated_delta_step(q, k, v, g, beta, state, start, history)
         conv_state.copy_(window[..., W - (kc - 1):])
         return out
 
@@ -346,13 +378,13 @@ def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: to
         a_, b_ = (a, b) if a.stride() == b.stride() and a.stride(2) == 1 and a.stride(0) == T * a.stride(1) else (a.contiguous(), b.contiguous())
         from qfd.kernels import gdn_verify_triton  # (it builds on this module's helpers)
 
-        if gdn_verify_triton.takes(T):  # the tokens in parallel (WY form), not one after another
+        if gdn_verify_triton.takes(T) and not records:  # the tokens in parallel (WY form), not one after another
             gdn_verify_triton.launch(window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias, out, state, start, history, conv_state,
                                      k_heads, a_.stride(1))
             return out
         args = (window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias, out, state, start, history, conv_state,
                 T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, a_.stride(1))
-        meta = dict(DK=dk, BV=BLOCK_V, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, num_warps=NUM_WARPS)
+        meta = dict(DK=dk, BV=BLOCK_V, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, RECORDS=records, num_warps=NUM_WARPS)
         grid = (B * H, triton.cdiv(dv, BLOCK_V))
         if PREFETCH and T <= PREFETCH_MAX_TOKENS:  # (read at each call: the bench and tests switch it)
             _gated_delta_conv_prefetch_kernel[grid](*args, TP=triton.next_power_of_2(T), **meta)

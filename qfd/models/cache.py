@@ -30,8 +30,8 @@ from typing import Callable
 
 import torch
 
-from qfd.kernels import gdn_rollback_triton, gdn_triton, launch_or_fallback, runs_on
-from qfd.models.gdn import chunked_gated_delta, recurrent_gated_delta, tree_gated_delta
+from qfd.kernels import gdn_rollback_triton, gdn_triton, kernel_failures, launch_or_fallback, runs_on
+from qfd.models.gdn import chunked_gated_delta, recurrent_gated_delta, replay_update, tree_gated_delta
 
 # Decode / verify steps through the fused Triton kernel where it runs (CUDA); False = the torch
 # recurrence everywhere (bench_steps.py --reference-kernels flips it for a side-by-side run).
@@ -43,6 +43,12 @@ FUSED_CONV = True
 # (`gdn_rollback_triton`) instead of two eager copies per layer (48 launches at Qwen3.5-4B shape);
 # QFD_GDN_ROLLBACK=per_layer keeps the copies (bench/gpu_kernels_ab.sh variant rollback_per_layer).
 ONE_LAUNCH_ROLLBACK = os.environ.get("QFD_GDN_ROLLBACK", "one_launch") != "per_layer"
+# A decode / verify through the conv-step kernel records each token's update (k, delta, decay:
+# dk + dv + 1 floats per head) instead of the state after it (dk x dv): 0.5 MB instead of 32 MB
+# written per layer by a 16-token verify at Qwen3.5-4B shape (768 MB a step over 24 layers, ~1.3 ms
+# of an A10G's bandwidth); a rollback replays the kept tokens' updates from the saved start
+# (`gdn_rollback_triton`, bit-exact). QFD_GDN_HISTORY=records turns it on (opt-in until timed on a GPU).
+RECORD_UPDATES = os.environ.get("QFD_GDN_HISTORY", "states") == "records"
 
 
 class GDNState:
@@ -54,6 +60,9 @@ class GDNState:
         self.recurrent = torch.zeros(batch, heads, dk, dv, dtype=torch.float32, device=device)
         self.start = torch.zeros_like(self.recurrent)  # state before the last forward
         self.history = torch.zeros(batch, max_verify, heads, dk, dv, dtype=torch.float32, device=device)
+        # RECORD_UPDATES: per-token records [k | delta | decay] of a conv-step forward (gdn.delta_rule)
+        self.records = torch.zeros(batch, max_verify, heads, dk + dv + 1, dtype=torch.float32, device=device) if RECORD_UPDATES else None
+        self.from_records = False  # whether the last forward wrote records instead of the history
         self.max_verify = max_verify
         self.window: torch.Tensor | None = None  # [B, C, K-1+T] of the last forward
         # keep -> (q, k, v, g, beta) of the first `keep` tokens of a long last forward
@@ -69,7 +78,7 @@ class GDNState:
             # one kernel: saves `start`, writes the history and the final state in place
             out = gdn_triton.gated_delta_step(q, k, v, g, beta, self.recurrent, self.start, self.history)
             self.conv.copy_(window[..., window.shape[-1] - self.conv.shape[-1] :])
-            self.window, self.steps, self.inputs, self.tree_conv = window, T, None, None
+            self.window, self.steps, self.inputs, self.tree_conv, self.from_records = window, T, None, None, False
             return out
         if T <= self.max_verify:  # the history holds every position's state
             out, final = recurrent_gated_delta(q, k, v, g, beta, self.recurrent, history=self.history)
@@ -88,6 +97,7 @@ class GDNState:
         self.recurrent.copy_(final)
         self.conv.copy_(window[..., window.shape[-1] - self.conv.shape[-1] :])
         self.window, self.steps, self.inputs, self.tree_conv = window, window.shape[-1] - self.conv.shape[-1], inputs_for, None
+        self.from_records = False
 
     def takes_window(self, window: torch.Tensor) -> bool:
         """Whether `advance_window` runs here: a decode / verify (T <= max_verify) on a device
@@ -99,7 +109,9 @@ class GDNState:
         """`advance` from the raw conv window and a/b projections (`qfd.models.gdn.conv_and_gates`
         inside the kernel): one kernel also updates the conv state. Returns [B, T, H, dv] float32."""
         self.window, self.steps, self.inputs, self.tree_conv = window, window.shape[-1] - self.conv.shape[-1], None, None
-        return gdn_triton.gated_delta_conv_step(window, conv_weight, a, b, A_log, dt_bias, self.recurrent, self.start, self.history, self.conv, k_heads)
+        self.from_records = self.records is not None
+        record = self.records if self.from_records else self.history
+        return gdn_triton.gated_delta_conv_step(window, conv_weight, a, b, A_log, dt_bias, self.recurrent, self.start, record, self.conv, k_heads)
 
     def advance_tree(self, window, conv_index, q, k, v, g, beta, parents) -> torch.Tensor:
         """Run the gated delta rule over the N nodes of a draft tree from the current state
@@ -108,7 +120,7 @@ class GDNState:
         The state itself moves only at `keep_tree_node`. Returns [B, N, H, dv] float32."""
         if q.shape[1] > self.max_verify:
             raise ValueError(f"a tree of {q.shape[1]} nodes needs a cache made with max_verify >= {q.shape[1]}")
-        self.window, self.steps, self.inputs, self.tree_conv = window, q.shape[1], None, conv_index
+        self.window, self.steps, self.inputs, self.tree_conv, self.from_records = window, q.shape[1], None, conv_index, False
         self.start.copy_(self.recurrent)
         if FUSED_STEP and runs_on(q):  # one kernel per layer (torch's loop where it fails)
             return gdn_triton.gated_delta_tree_step(q, k, v, g, beta, self.recurrent, self.history, parents)
@@ -128,12 +140,32 @@ class GDNState:
         self.conv.copy_(self.window[..., keep : keep + kernel_minus_1])
         if keep == 0:
             self.recurrent.copy_(self.start)
+        elif self.from_records:
+            self.recurrent.copy_(self._replayed(keep))
         elif self.inputs is None:
             self.recurrent.copy_(self.history[:, keep - 1])
         else:
             q, k, v, g, beta = self.inputs(keep)
             _, state = recurrent_gated_delta(q, k, v, g, beta, self.start)
             self.recurrent.copy_(state)
+
+    def _replayed(self, keep: int) -> torch.Tensor:
+        """The state after the first `keep` recorded tokens: the start with their updates
+        replayed, rounded as the code that recorded them did - the conv-step kernel's records in
+        `gdn_rollback_triton` (its fused multiply-add), torch reference's in torch."""
+        if self.records_from_kernel() and self.recurrent.shape[0] == 1:
+            replayed = torch.empty_like(self.recurrent)
+            table = torch.tensor([[replayed.data_ptr(), self.start.data_ptr(), 0, 0, 0, self.records.data_ptr()]], dtype=torch.int64, device=replayed.device)
+            if launch_or_fallback("Gated DeltaNet rollback (all layers)", lambda: gdn_rollback_triton.restore(table, self, replayed=keep, with_conv=False) or True, lambda: False):
+                return replayed
+        state = self.start
+        for t in range(keep):
+            state = replay_update(state, self.records[:, t])
+        return state
+
+    def records_from_kernel(self) -> bool:
+        """Whether the last forward's records came from the conv-step kernel (not its torch fallback)."""
+        return self.from_records and runs_on(self.recurrent) and "gated_delta_conv_step" not in kernel_failures()
 
 
 class TargetCache:
@@ -188,24 +220,27 @@ class TargetCache:
             raise ValueError(f"rollback({n}) outside the last forward (positions {self._last_start}..{self.length})")
         keep = n - self._last_start
         states = list(self.gdn.values())
-        one_launch = bool(states) and keep != states[0].steps and self._restore_in_one_launch(states, keep - 1, first_column=keep)
+        one_launch = bool(states) and keep != states[0].steps and self._restore_in_one_launch(
+            states, keep - 1, first_column=keep, replayed=keep if states[0].from_records else None)
         if not one_launch:
             for state in states:
                 state.rollback(keep)
         self.length = n
 
-    def _restore_in_one_launch(self, states: list[GDNState], slot: int, first_column: int = 0, columns: torch.Tensor | None = None) -> bool:
-        """Every GDN layer's recurrent state from history slot `slot` (-1: its start) and conv
-        state from its window's columns (`first_column` + j, or `columns`), in one kernel launch
-        (`gdn_rollback_triton`). False where that does not apply - the per-layer copies then
-        do the same - : not on a Triton device, batch > 1, or a forward whose states are not all
-        in the history (a prompt's, which recomputes)."""
+    def _restore_in_one_launch(self, states: list[GDNState], slot: int, first_column: int = 0, columns: torch.Tensor | None = None, replayed: int | None = None) -> bool:
+        """Every GDN layer's recurrent state from history slot `slot` (-1: its start) - or from
+        its start and the first `replayed` token records - and conv state from its window's
+        columns (`first_column` + j, or `columns`), in one kernel launch (`gdn_rollback_triton`).
+        False where that does not apply - the per-layer rollback then does the same - : not on a
+        Triton device, batch > 1, a forward whose states are neither all in the history nor all
+        in kernel-written records (a prompt's, which recomputes)."""
         first = states[0]
         window = first.window
         if not (ONE_LAUNCH_ROLLBACK and window is not None and runs_on(first.recurrent) and first.recurrent.shape[0] == 1
                 and first.conv.element_size() in (2, 4) and window.dtype == first.conv.dtype):
             return False
-        if any(s.inputs is not None or s.window is None or s.steps != first.steps or s.window.shape != window.shape or not s.window.is_contiguous() for s in states):
+        if any(s.inputs is not None or s.window is None or s.steps != first.steps or s.window.shape != window.shape or not s.window.is_contiguous()
+               or s.from_records != first.from_records for s in states) or (first.from_records and not first.records_from_kernel()):
             return False
         # the table of buffer addresses: one per set of windows (a graphed step reuses its own)
         key = tuple(s.window.data_ptr() for s in states)
@@ -214,7 +249,7 @@ class TargetCache:
             if len(self._address_tables) > 8:  # eager forwards: a new window every step
                 self._address_tables.clear()
             table = self._address_tables[key] = gdn_rollback_triton.address_table(states)
-        return launch_or_fallback("Gated DeltaNet rollback (all layers)", lambda: gdn_rollback_triton.restore(table, first, slot, first_column, columns) or True, lambda: False)
+        return launch_or_fallback("Gated DeltaNet rollback (all layers)", lambda: gdn_rollback_triton.restore(table, first, slot, first_column, columns, replayed) or True, lambda: False)
 
     def keep_tree_path(self, path: list[int]) -> None:
         """After a tree verify (qfd.tree): keep the tokens of tree nodes `path` (root first,
@@ -248,4 +283,5 @@ class TargetCache:
             state.conv.zero_()
             state.recurrent.zero_()
             state.window = state.inputs = state.tree_conv = None
+            state.from_records = False
             state.steps = 0

@@ -38,26 +38,40 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q * q.shape[-1] ** -0.5, k
 
 
-def delta_rule(state, q_t, k_t, v_t, g_t, beta_t):
+def delta_rule(state, q_t, k_t, v_t, g_t, beta_t, record: torch.Tensor | None = None):
     """One token of the gated delta rule: state [B, H, dk, dv], the token's q/k [B, H, dk],
-    v [B, H, dv], g/beta [B, H] (float32). Returns (new state, output [B, H, dv])."""
-    state = state * g_t.exp()[..., None, None]
+    v [B, H, dv], g/beta [B, H] (float32). Returns (new state, output [B, H, dv]). `record`
+    [B, H, dk + dv + 1], if given, receives the token's update (k, delta, decay): the state
+    after it is `replay_update(state, record)`."""
+    decay = g_t.exp()
+    state = state * decay[..., None, None]
     delta = (v_t - torch.einsum("bhk,bhkv->bhv", k_t, state)) * beta_t[..., None]
+    if record is not None:
+        record.copy_(torch.cat([k_t, delta, decay[..., None]], dim=-1))
     state = state + k_t[..., :, None] * delta[..., None, :]
     return state, torch.einsum("bhk,bhkv->bhv", q_t, state)
 
 
-def recurrent_gated_delta(q, k, v, g, beta, state, history: torch.Tensor | None = None):
+def replay_update(state: torch.Tensor, record: torch.Tensor) -> torch.Tensor:
+    """The state after a token from the state before it and the token's record [B, H, dk + dv
+    + 1] (`delta_rule`): the same decay and rank-one update, without the reductions."""
+    dk = state.shape[-2]
+    k_t, delta, decay = record[..., :dk], record[..., dk:-1], record[..., -1]
+    return state * decay[..., None, None] + k_t[..., :, None] * delta[..., None, :]
+
+
+def recurrent_gated_delta(q, k, v, g, beta, state, history: torch.Tensor | None = None, records: torch.Tensor | None = None):
     """Token-by-token gated delta rule.
 
     q, k: [B, T, H, dk] already prepared (`prepare_qk`); v: [B, T, H, dv]; g, beta: [B, T, H];
     state: [B, H, dk, dv] float32 (not modified). `history`, if given ([B, >=T, H, dk, dv]),
-    receives the state after every position, in place.
+    receives the state after every position, in place; `records` ([B, >=T, H, dk + dv + 1])
+    every token's update (`delta_rule`).
     Returns (out [B, T, H, dv] float32, final state [B, H, dk, dv])."""
     v, g, beta = v.float(), g.float(), beta.float()
     outs = []
     for t in range(q.shape[1]):
-        state, out = delta_rule(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        state, out = delta_rule(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], None if records is None else records[:, t])
         outs.append(out)
         if history is not None:
             history[:, t].copy_(state)

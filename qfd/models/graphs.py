@@ -106,7 +106,7 @@ class StaticTargetSteps:
         # The GDN states keep Python references to tensors of their last forward (conv window,
         # prepared inputs); a replay refreshes the tensors' contents but runs no Python, so
         # re-point the states at the capture's tensors after every replay.
-        step["gdn"] = {i: (s.window, s.inputs, s.steps, s.tree_conv) for i, s in self.cache.gdn.items()}
+        step["gdn"] = {i: (s.window, s.inputs, s.steps, s.tree_conv, s.from_records) for i, s in self.cache.gdn.items()}
         return step
 
     def __call__(self, input_ids: torch.Tensor, cache=None, tap_layers: Sequence[int] = (), last_only: bool = False) -> TargetOutput:
@@ -176,9 +176,9 @@ class StaticTargetSteps:
         else:
             step["graph"].replay()
             out = step["out"]
-            for i, (window, inputs, steps, tree_conv) in step["gdn"].items():
+            for i, (window, inputs, steps, tree_conv, from_records) in step["gdn"].items():
                 state = self.cache.gdn[i]
-                state.window, state.inputs, state.steps, state.tree_conv = window, inputs, steps, tree_conv
+                state.window, state.inputs, state.steps, state.tree_conv, state.from_records = window, inputs, steps, tree_conv, from_records
         self.cache.end(size)
         return out
 
