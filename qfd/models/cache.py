@@ -21,6 +21,11 @@ Rollback (speculative decoding keeps only the accepted prefix of a verified bloc
 - a draft tree's forward (qfd.tree, TargetModel.verify_tree) writes node i's K/V at slot
   start + i and each node's GDN state into the history (max_verify >= the tree's size);
   `keep_tree_path` then moves the kept path's K/V into place and keeps its last node's state.
+- with RECORD_UPDATES a decode / verify through the conv-step kernel records each token's
+  update (k, delta, decay) instead of its state; a rollback replays the kept tokens' updates
+  from the start, rounded as the step rounded them.
+Where Triton runs, one kernel restores every GDN layer (ONE_LAUNCH_ROLLBACK,
+`qfd.kernels.gdn_rollback_triton`): between graph replays, launches are what a rollback costs.
 """
 
 from __future__ import annotations
