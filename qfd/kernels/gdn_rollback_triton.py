@@ -13,7 +13,9 @@ The recurrent state comes from one of:
 - the forward's token records (`qfd.models.gdn.delta_rule`'s k, delta, decay per token and head,
   written instead of the history by `gated_delta_conv_step`): the start with the first `keep`
   updates replayed, `fma(k, delta, state * decay)` per element as the step kernel rounds them
-  (`gdn_triton._apply_update`), so the result equals the state the step computed bit for bit.
+  (`gdn_triton._apply_update`), so the result is the state the step computed, bit for bit
+  (tested under Triton's interpreter; `bench/bench_gdn_step.py --record states,records` checks
+  it on a GPU, not yet run there).
 The conv state is a bit copy of window columns (ints of the element's width).
 
 A tree verify keeps one node's path the same way: the state from that node's history slot, the
