@@ -48,9 +48,10 @@ def layer_inputs(T: int, device):
 
 
 def run_config(T, device, block_v, warps, chunk, prefetch, records=False):
-    """(us per call, outputs) of the op with this launch split (chunk: the parallel verify form;
-    prefetch: the token loop's loads issued ahead; records: per-token records instead of the
-    history, whose outputs then include every position's state replayed from them)."""
+    """(us per call, outputs, checks) of the op with this launch split (chunk: the parallel
+    verify form; prefetch: the token loop's loads issued ahead; records: per-token records
+    instead of the history, whose outputs then hold the positions' states replayed from them,
+    and the checks the replay of all of them against the final state)."""
     split = gdn_verify_triton if chunk else gdn_triton  # the parallel form has its own split
     split.BLOCK_V, split.NUM_WARPS = block_v, warps
     gdn_verify_triton.CHUNK_VERIFY = chunk
@@ -65,8 +66,15 @@ def run_config(T, device, block_v, warps, chunk, prefetch, records=False):
         return torch.ops.qfd.gated_delta_conv_step(window, conv_weight, a, b, A_log, dt_bias, state, start, history, conv_state, K_HEADS)
 
     out = step().clone()
-    results = (out, state.clone(), replayed_states(T, state, start, history, window, conv_state) if records else history[:, :T].clone())
-    return graph_time_us(step), results
+    checks = {}
+    if records:
+        states = replayed_states(T, state, start, history, window, conv_state)
+        # a rollback's exactness: all T tokens replayed from the records = the step's own final state, bit for bit
+        checks["replay_vs_own_final_state"] = float((states[:, T - 1] - state).abs().max())
+    else:
+        states = history
+    # every position's state but the last (the state itself; the token loop does not store it)
+    return graph_time_us(step), (out, state.clone(), states[:, : T - 1].clone()), checks
 
 
 def replayed_states(T, state, start, records, window, conv_state) -> torch.Tensor:
@@ -108,7 +116,7 @@ def main() -> None:
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         kernels._FAILED.discard("gated_delta_conv_step")
-        base_us, base = run_config(T, device, *served)
+        base_us, base, _ = run_config(T, device, *served)
         rows.append({"tokens": T, "block_v": served[0], "warps": served[1], **label(*served[2:]), "us": base_us, "served": True, "max_diff": 0.0})
         grid = itertools.product((int(v) for v in args.block_v.split(",")), (int(w) for w in args.warps.split(",")), (f == "chunk" for f in args.verify.split(",")), prefetches, record_forms)
         for bv, warps, chunk, prefetch, records in grid:
@@ -119,26 +127,23 @@ def main() -> None:
             kernels._FAILED.discard("gated_delta_conv_step")  # each split gets its own chance to compile
             what = f"T={T} block_v={bv} warps={warps} chunk={chunk} prefetch={prefetch} records={records}"
             try:
-                us, got = run_config(T, device, bv, warps, chunk, prefetch, records)
+                us, got, checks = run_config(T, device, bv, warps, chunk, prefetch, records)
             except Exception as exc:  # a split the compiler rejects
                 print(f"{what}: {type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
                 continue
             if "gated_delta_conv_step" in kernels._FAILED:  # it fell back to torch: not this split's time
                 print(f"{what}: the kernel failed (torch fallback), skipped", file=sys.stderr)
                 continue
-            parts = [float((g - w).abs().max()) for g, w in zip(got, base)]  # output, final state, every position's state
-            row = {"tokens": T, "block_v": bv, "warps": warps, **label(chunk, prefetch, records), "us": us, "served": False, "max_diff": max(parts),
-                   "max_diff_output_state_history": parts}
-            if records:  # a rollback's exactness: all T tokens replayed from the records = the step's own final state, bit for bit
-                row["replay_vs_own_final_state"] = float((got[2][:, T - 1] - got[1]).abs().max())
-            rows.append(row)
+            parts = [float((g - w).abs().max()) if g.numel() else 0.0 for g, w in zip(got, base)]  # output, final state, the states before it (none at T = 1)
+            rows.append({"tokens": T, "block_v": bv, "warps": warps, **label(chunk, prefetch, records), "us": us, "served": False, "max_diff": max(parts),
+                         "max_diff_output_state_history": parts, **checks})
             args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))  # what a time limit leaves
     (gdn_triton.BLOCK_V, gdn_triton.NUM_WARPS), (gdn_verify_triton.BLOCK_V, gdn_verify_triton.NUM_WARPS) = loop_split, chunk_split
     gdn_verify_triton.CHUNK_VERIFY, gdn_triton.PREFETCH = served[2], served[3]
     if target_cache.RECORD_UPDATES:
         print("note: QFD_GDN_HISTORY=records is set, but the served row here records states (the baseline the records are checked against)")
     table = Table(title=f"GDN step kernel at Qwen3.5-4B's layer shape, us per call in a CUDA graph ({torch.cuda.get_device_name()})")
-    for col in ("tokens", "verify", "prefetch", "history", "block_v", "warps", "us", "x served", "max |diff| vs served: output / final state / each position's state"):
+    for col in ("tokens", "verify", "prefetch", "history", "block_v", "warps", "us", "x served", "max |diff| vs served: output / final state / states before it"):
         table.add_column(col, justify="right")
     for r in rows:
         base_us = next(b["us"] for b in rows if b["tokens"] == r["tokens"] and b["served"])

@@ -327,8 +327,8 @@ if _HAVE_TRITON:
         tl.store(o_ptr + ((b * T + t) * H + h) * DV + offs_v, out, mask=v_mask)
         if RECORDS:
             _token_record(hist_ptr + ((b * HIST_T + t) * H + h) * (DK + DV + 1), k_t, delta, decay, vb, offs_v, v_mask, DK, DV)
-        else:
-            tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask)
+        else:  # not the last token's: a rollback keeping all T tokens is no rollback (and the state holds it)
+            tl.store(hist_ptr + ((b * HIST_T + t) * H + h) * DK * DV + tile, state, mask=tile_mask & (t < T - 1))
         return state
 
     @triton.jit
@@ -350,10 +350,12 @@ def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: to
     the new tokens' q/k/v channels), conv_weight [C, 1, K], a, b [B, T, H], A_log, dt_bias [H]
     (`qfd.models.gdn.conv_and_gates` computes the step's q/k/v/g/beta from them). Also writes
     the new conv state (`conv_state` [B, C, K-1] <- the window's last K-1 columns). `history`
-    [B, >=T, H, dk, dv] receives every position's state, or, given as [B, >=T, H, dk + dv + 1],
-    every token's record (k, delta, decay: `qfd.models.gdn.recurrent_gated_delta`'s `records`),
-    1/64 of the bytes at dk = dv = 128. Returns the output [B, T, H, dv] float32. Without a
-    usable Triton: the torch reference."""
+    [B, >=T, H, dk, dv] receives the state after every position but the last (which is `state`:
+    the token loop skips that store - a decode then writes no history - while the torch
+    reference and the parallel form write it too), or, given as [B, >=T, H, dk + dv + 1], every
+    token's record (k, delta, decay: `qfd.models.gdn.recurrent_gated_delta`'s `records`), 1/64
+    of the bytes at dk = dv = 128. Returns the output [B, T, H, dv] float32. Without a usable
+    Triton: the torch reference."""
     B, C, W = window.shape
     T, H = a.shape[1], a.shape[2]
     dk, dv = state.shape[-2], state.shape[-1]
