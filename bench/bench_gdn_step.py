@@ -21,7 +21,6 @@ import itertools
 import json
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -68,7 +67,7 @@ def run_config(T, device, block_v, warps, chunk, prefetch, records=False):
     out = step().clone()
     checks = {}
     if records:
-        states = replayed_states(T, state, start, history, window, conv_state)
+        states = replayed_states(T, start, history)
         # a rollback's exactness: all T tokens replayed from the records = the step's own final state, bit for bit
         checks["replay_vs_own_final_state"] = float((states[:, T - 1] - state).abs().max())
     else:
@@ -77,14 +76,12 @@ def run_config(T, device, block_v, warps, chunk, prefetch, records=False):
     return graph_time_us(step), (out, state.clone(), states[:, : T - 1].clone()), checks
 
 
-def replayed_states(T, state, start, records, window, conv_state) -> torch.Tensor:
+def replayed_states(T, start, records) -> torch.Tensor:
     """[1, T, H, DK, DV]: the state after each position as a rollback rebuilds it from the
     step's token records (gdn_rollback_triton's replay from the saved start)."""
-    out = torch.empty(1, T, *state.shape[1:], device=state.device)
-    layer = SimpleNamespace(recurrent=state, conv=conv_state, window=window)
+    out = torch.empty(1, T, *start.shape[1:], device=start.device)
     for keep in range(1, T + 1):
-        table = torch.tensor([[out[:, keep - 1].data_ptr(), start.data_ptr(), 0, 0, 0, records.data_ptr()]], dtype=torch.int64, device=state.device)
-        gdn_rollback_triton.restore(table, layer, replayed=keep, with_conv=False)
+        gdn_rollback_triton.replay(out[:, keep - 1], start, records, keep)
     return out
 
 

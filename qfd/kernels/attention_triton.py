@@ -14,8 +14,8 @@ splits at run time: a short context in a long static cache (the server's, or the
 8.5K) reads its few hundred keys, not the whole buffer under the mask: on the H200 a decode /
 16-token verify at 200 filled keys of 8704 took 6.0 / 11.7 us a layer against 18.5 / 24.9
 (`bench/bench_attention.py --filled`, docs/benchmarks.md eighteenth session). The block loops'
-bounds are then rounded up to whole key blocks (see `_live_keys`; measured before that rounding,
-a full cache's verify ran 0.73x; the rounded form is not yet timed).
+bounds are then rounded up to whole key blocks (see `_live_keys`): before that rounding a full
+cache's verify ran 0.73x, with it 1.01x (H100, nineteenth session).
 
 On the H100 (docs/benchmarks.md, twelfth session) one layer's step attention at an 8.5K cache
 takes 19.8 / 28.6 / 36.8 us for a decode / 16-token verify / 32-node tree against the torch
@@ -89,7 +89,7 @@ if _HAVE_TRITON:
         skipped, not read under the mask), else the whole buffer; the live blocks spread over
         the SPLITS splits. The rounded bound keeps the block loops' bounds multiples of 16, which
         the mask loads need to stay vector loads (with the loaded count alone a 16-token verify
-        ran 0.73x on a full cache, H200); K/V are read up to the exact count only."""
+        ran 0.73x on a full cache, H200; rounded, 1.01x on an H100); K/V are read up to the exact count only."""
         n = S
         if HAS_COUNT:
             n = tl.minimum(tl.load(count_ptr).to(tl.int32), S)

@@ -108,25 +108,38 @@ def address_table(states) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device=states[0].recurrent.device)
 
 
-def restore(table: torch.Tensor, state, slot: int = -1, first_column: int = 0, columns: torch.Tensor | None = None, replayed: int | None = None,
-            with_conv: bool = True) -> None:
+def restore(table: torch.Tensor, state, slot: int = -1, first_column: int = 0, columns: torch.Tensor | None = None, replayed: int | None = None) -> None:
     """Restore every layer in `table` (all shaped like GDNState `state`, batch 1): the recurrent
     state from history slot `slot` (-1: the saved start), or with `replayed` = n from the start
-    and the first n token records; with `with_conv` the conv state from window columns
-    `first_column` + j (or `columns` [K-1], int64, on the device)."""
+    and the first n token records; the conv state from window columns `first_column` + j (or
+    `columns` [K-1], int64, on the device)."""
+    _launch(table, state.recurrent.shape, state.conv, state.window.shape[-1], slot, first_column, columns, replayed)
+
+
+def replay(out: torch.Tensor, start: torch.Tensor, records: torch.Tensor, replayed: int) -> None:
+    """One layer's state after the first `replayed` recorded tokens into `out` [1, H, dk, dv]:
+    `start` with their updates from `records` [1, >=replayed, H, dk + dv + 1], rounded as the
+    step kernel rounded them (conv state untouched)."""
+    table = torch.tensor([[out.data_ptr(), start.data_ptr(), 0, 0, 0, records.data_ptr()]], dtype=torch.int64, device=out.device)
+    _launch(table, out.shape, None, 0, -1, 0, None, replayed)
+
+
+def _launch(table, state_shape, conv: torch.Tensor | None, window_cols: int, slot: int, first_column: int, columns: torch.Tensor | None, replayed: int | None) -> None:
+    """`_restore_kernel` over the table's layers; conv None: the recurrent state only."""
     layers = table.shape[0]
-    _, heads, dk, dv = state.recurrent.shape
-    state_numel = state.recurrent.numel()
-    conv_rows, km1 = state.conv.shape[1], state.conv.shape[2]
+    _, heads, dk, dv = state_shape
+    state_numel = heads * dk * dv
+    conv_rows, km1 = (conv.shape[1], conv.shape[2]) if conv is not None else (0, 1)
     source = 2 if replayed else 0 if slot < 0 else 1
     dvp = triton.next_power_of_2(dv)
     state_rows = max(1, REPLAY_BLOCK // dvp)
     chunks = triton.cdiv(heads * dk, state_rows) if source == 2 else triton.cdiv(state_numel, STATE_BLOCK)
-    rows_per_chunk = triton.next_power_of_2(triton.cdiv(conv_rows, chunks))
+    rows_per_chunk = triton.next_power_of_2(max(1, triton.cdiv(conv_rows, chunks)))
     chunks = max(chunks, triton.cdiv(conv_rows, rows_per_chunk))
     _restore_kernel[(layers, chunks)](
         table, table if columns is None else columns, max(slot, 0) * state_numel, first_column, replayed or 0, state_numel, conv_rows,
-        state.window.shape[-1], heads,
-        DK=dk, DV=dv, DVP=dvp, KM1=km1, KM1_P2=triton.next_power_of_2(km1), CONV_BITS=state.conv.element_size() * 8, SOURCE=source,
-        GATHER=columns is not None, WITH_CONV=with_conv, BLOCK=STATE_BLOCK, STATE_ROWS=state_rows, ROWS=rows_per_chunk, num_warps=4,
+        window_cols, heads,
+        DK=dk, DV=dv, DVP=dvp, KM1=km1, KM1_P2=triton.next_power_of_2(km1), CONV_BITS=16 if conv is None else conv.element_size() * 8,
+        SOURCE=source, GATHER=columns is not None, WITH_CONV=conv is not None, BLOCK=STATE_BLOCK, STATE_ROWS=state_rows, ROWS=rows_per_chunk,
+        num_warps=4,
     )

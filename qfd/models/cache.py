@@ -160,8 +160,7 @@ class GDNState:
         `gdn_rollback_triton` (its fused multiply-add), torch reference's in torch."""
         if self.records_from_kernel() and self.recurrent.shape[0] == 1:
             replayed = torch.empty_like(self.recurrent)
-            table = torch.tensor([[replayed.data_ptr(), self.start.data_ptr(), 0, 0, 0, self.records.data_ptr()]], dtype=torch.int64, device=replayed.device)
-            if launch_or_fallback("Gated DeltaNet rollback (all layers)", lambda: gdn_rollback_triton.restore(table, self, replayed=keep, with_conv=False) or True, lambda: False):
+            if launch_or_fallback("Gated DeltaNet rollback (all layers)", lambda: gdn_rollback_triton.replay(replayed, self.start, self.records, keep) or True, lambda: False):
                 return replayed
         state = self.start
         for t in range(keep):
