@@ -477,22 +477,25 @@ def test_conv_kernel_token_records_roll_back_bit_for_bit(prefetch, dtype, monkey
     """The conv-step kernel writing token records instead of states gives the same outputs,
     state and conv state; replaying all its records rebuilds its own final state bit for bit
     (a rollback's exactness), and a rollback from them (one launch for all layers, or the
-    layer's own) restores the state the history held for that position. Across the two
-    compiled forms, equal bit for bit under the interpreter; on a GPU the compiler may fuse
-    the reductions differently in each (float32 rounding apart)."""
+    layer's own) restores the state the history held for that position. All bit for bit under
+    the interpreter. On the H100 the replay is bit-exact at Qwen3.5-4B's layer shape (dk = dv =
+    128, bench_gdn_step.py) and at this small shape in float32, but here in bf16 ~5% of the
+    elements differ by one float32 ulp (docs/benchmarks.md, 2026-12-07 twentieth session; see
+    gdn_rollback_triton's docstring), so the GPU check is within 1e-6."""
     from qfd.models import cache as cache_module
 
     monkeypatch.setattr(gdn_triton, "PREFETCH", prefetch)
     T = 7
     (states, records), (out_states, out_records) = conv_step_states(monkeypatch, dtype, T)
     history_state, record_state = states.gdn[0], records.gdn[0]
-    assert torch.equal(record_state._replayed(T), record_state.recurrent)  # bit for bit on any device
 
-    def same(got, expected):
+    def same(got, expected, atol=1e-5):
         if KERNEL_DEVICE == "cpu":
             assert torch.equal(got, expected)
         else:
-            torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+            torch.testing.assert_close(got, expected, rtol=0, atol=atol)
+
+    same(record_state._replayed(T), record_state.recurrent, atol=1e-6)
 
     same(out_records, out_states)
     same(record_state.recurrent, history_state.recurrent)

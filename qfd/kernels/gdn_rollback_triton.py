@@ -14,8 +14,11 @@ The recurrent state comes from one of:
   written instead of the history by `gated_delta_conv_step`): the start with the first `keep`
   updates replayed, `fma(k, delta, state * decay)` per element as the step kernel rounds them
   (`gdn_triton._apply_update`), so the result is the state the step computed, bit for bit
-  (tested under Triton's interpreter; `bench/bench_gdn_step.py --record states,records` checks
-  it on a GPU, not yet run there).
+  under Triton's interpreter and, on the H100, at Qwen3.5-4B's layer shape
+  (`bench/bench_gdn_step.py --record states,records`). At a small bf16 test shape (dk 32, dv 48)
+  ~5% of the elements come out one float32 ulp apart on the GPU. Not pinned down: the kernel's
+  TTGIR computes the recorded k and delta a second time, in another layout than the copies the
+  update uses (the same ops), so the code generated for the two copies is the suspect.
 The conv state is a bit copy of window columns (ints of the element's width).
 
 A tree verify keeps one node's path the same way: the state from that node's history slot, the
