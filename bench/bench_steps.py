@@ -481,7 +481,7 @@ def main() -> None:
 
     results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "int4_magic_operand": MAGIC_DOT, "int4_block_m_32": BLOCK_M_32, "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels), "tree": args.tree,
                # the switches read from the environment (gpu_kernels_ab.sh sets them per variant)
-               "attention_kernel": "triton" if attention_triton.SPLIT_KERNEL else "torch", "gdn_verify": "chunk" if gdn_verify_triton.CHUNK_VERIFY else "loop", "int4_one_row": one_row_kernel(), "int4_prefetch": int4_linear.PREFETCH_NEXT, "int4_gated_down": int4_linear.GATED_DOWN, "gdn_prefetch": gdn_triton.PREFETCH, "gdn_rollback_one_launch": target_cache.ONE_LAUNCH_ROLLBACK,
+               "attention_kernel": "triton" if attention_triton.SPLIT_KERNEL else "torch", "gdn_verify": "chunk" if gdn_verify_triton.CHUNK_VERIFY else "loop", "int4_one_row": one_row_kernel(), "int4_prefetch": int4_linear.PREFETCH_NEXT, "gdn_prefetch": gdn_triton.PREFETCH, "gdn_rollback_one_launch": target_cache.ONE_LAUNCH_ROLLBACK,
                "int4_pdl": PDL_LAUNCH, "int4_w_first": W_FIRST_DOT, "int4_mma16": "all" if MMA16_ONE_ROW else MMA16, "draft_vocab": args.draft_vocab}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures

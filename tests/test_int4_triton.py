@@ -182,52 +182,6 @@ def test_one_row_gemv_kernel_matches_the_reference(symmetric, offset_sum, k, gro
     assert int(packed.counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("gated_on", [False, True])
-@pytest.mark.parametrize("rows", [1, 16, 300])
-def test_forward_gated_is_the_layer_of_silu_gate_times_up(gated_on, rows, monkeypatch):
-    """Int4Linear.forward_gated(gate_up) = layer(silu(gate) * up), on or off (QFD_INT4_GATED) and
-    past the kernel's rows (dequantized); on a CPU without Triton the op's reference computes
-    the gated input itself. down_of_gate_up sends a plain Linear through the elementwise product."""
-    from qfd.models.linear import Linear, down_of_gate_up
-    from qfd.quant import int4_linear
-
-    monkeypatch.setattr(int4_linear, "GATED_DOWN", gated_on)
-    layer = Int4Linear(weight(64, 256, 128), kernel="triton")
-    gate_up = torch.randn(2, rows, 512)
-    gate, up = gate_up.chunk(2, dim=-1)
-    expected = layer(torch.nn.functional.silu(gate) * up)
-    torch.testing.assert_close(down_of_gate_up(layer, gate_up, (256, 256)), expected, rtol=1e-5, atol=1e-5)
-    dense = Linear(256, 64)
-    assert torch.equal(down_of_gate_up(dense, gate_up, (256, 256)), dense(torch.nn.functional.silu(gate) * up))
-
-
-@needs_triton
-@pytest.mark.parametrize("rows,config,dtype", [
-    (1, int4_triton.KernelConfig(use_dot=False, block_n=32, split_k=2), torch.float32),  # _int4_mm_kernel, CUDA cores
-    (1, int4_triton.KernelConfig(use_dot=False, block_n=32, split_k=2, tiles=2), torch.float32),  # _int4_gemv_kernel
-    (1, int4_triton.KernelConfig(use_dot=False, block_n=32, split_k=1, tiles=1, offset_sum=True), torch.float32),
-    (16, int4_triton.KernelConfig(use_dot=True, block_n=32, split_k=2, mma16=False), torch.float32),  # _int4_mm_kernel's dot
-    (16, int4_triton.KernelConfig(use_dot=True, block_n=32, split_k=2, mma16=False, w_first=True), torch.float32),
-    (16, int4_triton.KernelConfig(use_dot=True, block_n=64, split_k=2, num_stages=2, mma16=True), torch.float16),  # _int4_mma_kernel
-    (40, int4_triton.KernelConfig(use_dot=True, block_n=64, split_k=1, num_stages=2, mma16=True), torch.float16),
-])
-def test_a_gated_product_equals_the_product_of_the_gated_input(rows, config, dtype):
-    """Each kernel computing silu(gate) * up as it loads x (gated=True, x = [gate | up]) gives the
-    product of that input computed first (K = 384: a partial last step for the 2-tile gemv)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    qw = weight(96, 384, 128)
-    packed = int4_triton.pack_for_triton(qw, device, scale_dtype=dtype if dtype != torch.float32 else None)
-    gate_up = torch.randn(rows, 2 * 384, device=device).to(dtype)
-    bias = torch.randn(96, device=device).to(dtype)
-    expected = int4_triton.int4_matmul(int4_triton.gated_input(gate_up), packed, bias, config=config)
-    got = int4_triton.int4_matmul(gate_up, packed, bias, config=config, gated=True)
-    tol = 1e-4 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
-    assert int(packed.counters.abs().sum()) == 0
-    with pytest.raises(ValueError, match="gated: twice that"):
-        int4_triton.int4_matmul(gate_up[:, :384], packed, bias, config=config, gated=True)
-
-
 def test_pick_config_reads_the_gpus_tuned_table(tmp_path, monkeypatch):
     monkeypatch.setattr(int4_triton, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(int4_triton, "_current_device_name", lambda index: "NVIDIA Test GPU")

@@ -154,16 +154,8 @@ def dequantize_packed(packed: TritonInt4Weight, dtype: torch.dtype = torch.float
     return ((u - z) * s).to(dtype)
 
 
-def gated_input(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up from a [..., 2K] gate/up row (an MLP's down-projection input), in its dtype."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
-
-
-def reference_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+def reference_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Pure-torch int4_matmul: float32 math on the packed layout, result in x.dtype."""
-    if gated:
-        x = gated_input(x)
     w = dequantize_packed(packed).to(x.device)
     y = x.to(torch.float32) @ w.t()
     if bias is not None:
@@ -174,18 +166,6 @@ def reference_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tens
 # --------------------------------------------------------------------------- kernel
 
 if _HAVE_TRITON:
-
-    @triton.jit
-    def _gated_x(ptrs, mask, K):
-        """silu(gate) * up for x elements at `ptrs` of a [.., 2K] gate/up row (the up half K
-        further; masked: 0), rounded to the row's dtype after the SiLU and after the product as
-        torch's `F.silu(gate) * up` rounds (GATED: the down projection reads the MLP's gate/up
-        output directly, without the separate elementwise kernel)."""
-        gate = tl.load(ptrs, mask=mask, other=0.0)
-        up = tl.load(ptrs + K, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
     @triton.jit
     def _nibble_k(j):
@@ -287,7 +267,7 @@ if _HAVE_TRITON:
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
         DOT_IEEE: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr, PDL: tl.constexpr, W_FIRST: tl.constexpr,
-        EVEN_K: tl.constexpr, pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128, GATED: tl.constexpr = False,
+        EVEN_K: tl.constexpr, pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128,
     ):
         """One program: rows [BM*pid_m, +BM) x outputs [BN*pid_n, +BN) x K tiles of split pid_k.
 
@@ -340,12 +320,8 @@ if _HAVE_TRITON:
                         c = tl.full((BN,), 8.0, tl.float32) + offset
                 offs_k = k0 + 2 * offs_p
                 if USE_DOT:  # x's slice: [BM, 16], or [16, BM] (x.T) weights-first
-                    x_slice = x_ptr + _along_m(offs_m, W_FIRST) * stride_xm + _along_n(offs_k, W_FIRST)
-                    x_mask = _along_m(m_mask, W_FIRST) & _along_n(offs_k < K, W_FIRST)
-                    if GATED:
-                        xj = _gated_x(x_slice, x_mask, K)
-                    else:
-                        xj = tl.load(x_slice, mask=x_mask, other=0.0)
+                    xj = tl.load(x_ptr + _along_m(offs_m, W_FIRST) * stride_xm + _along_n(offs_k, W_FIRST),
+                                 mask=_along_m(m_mask, W_FIRST) & _along_n(offs_k < K, W_FIRST), other=0.0)
                 if MAGIC_BITS > 0:
                     w = (((p_cur >> (4 * j)) & 0xF) | MAGIC_BITS).to(tl.int16).to(x_dtype, bitcast=True)  # MAGIC + u
                     if W_FIRST:
@@ -371,9 +347,7 @@ if _HAVE_TRITON:
                         if i % 2 == 1 and ((16 * (i + 1)) % GROUP == 0 or i == 7):  # group (or tile) ends: scale it
                             acc += part * _along_n(s, W_FIRST)
                     else:
-                        if GATED:
-                            xj = _gated_x(x_ptr + pid_m * stride_xm + offs_k, offs_k < K, K).to(tl.float32)
-                        elif EVEN_K:  # K % 128 == 0: every slice lies inside x (the mask cost ~0.8 instructions per weight)
+                        if EVEN_K:  # K % 128 == 0: every slice lies inside x (the mask cost ~0.8 instructions per weight)
                             xj = tl.load(x_ptr + pid_m * stride_xm + offs_k).to(tl.float32)
                         else:
                             xj = tl.load(x_ptr + pid_m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
@@ -436,7 +410,7 @@ if _HAVE_TRITON:
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,
         EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-        pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128, GATED: tl.constexpr = False,
+        pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128,
     ):
         """The tensor-core path for 16-bit x (bf16 / fp16), built from its static SASS (sm_90,
         compiled offline, bench/sass_int4.py):
@@ -484,9 +458,7 @@ if _HAVE_TRITON:
                 w = tl.reshape(tl.join(low, high), (BN, 32)) - c[:, None]  # exact q - z, column 2p + e = k0 + 2p + e
                 offs_k = k0 + offs_r
                 x_cols = x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None]  # x.T's slice [32, BM]
-                if GATED:
-                    xj = _gated_x(x_cols, m_mask[None, :] & (offs_k < K)[:, None], K)
-                elif EVEN_M and EVEN_K:
+                if EVEN_M and EVEN_K:
                     xj = tl.load(x_cols)
                 elif EVEN_M:
                     xj = tl.load(x_cols, mask=(offs_k < K)[:, None], other=0.0)
@@ -513,7 +485,6 @@ if _HAVE_TRITON:
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BN: tl.constexpr, TILES: tl.constexpr, SPLIT_K: tl.constexpr, OFFSET_SUM: tl.constexpr, PDL: tl.constexpr,
         USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128,
-        GATED: tl.constexpr = False,
     ):
         """One row (decode): outputs [BN*pid_n, +BN) x the K steps of split pid_k, a step being
         TILES whole K tiles (16*TILES contiguous packed rows: one [16*TILES, BN] load). Needs
@@ -558,9 +529,7 @@ if _HAVE_TRITON:
             xsum = tl.zeros((R,), dtype=tl.float32)
             for j in tl.static_range(8):
                 offs_k = t_rows * 128 + _nibble_k(j) + 2 * (offs_r % 16)
-                if GATED:
-                    xj = _gated_x(x_ptr + offs_k, offs_k < K, K).to(tl.float32)
-                elif EVEN_K:  # K % 128 == 0 and whole steps: every row lies inside x
+                if EVEN_K:  # K % 128 == 0 and whole steps: every row lies inside x
                     xj = tl.load(x_ptr + offs_k).to(tl.float32)
                 else:
                     xj = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
@@ -739,19 +708,17 @@ def _prefetch_args(prefetch: torch.Tensor | None, fallback: torch.Tensor, num_wa
 
 
 def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None, config: KernelConfig | None = None,
-                prefetch: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] @ w_hat.T (+ bias), in x.dtype (bf16/fp16/fp32), fp32 accumulation.
     prefetch: the next product's packed weights, which the programs ask the L2 for as they start
-    (QFD_INT4_PREFETCH; a hint, the result does not depend on it). gated: x is an MLP's gate/up
-    output [..., 2K] and the product's input silu(gate) * up, computed as the kernel loads it."""
+    (QFD_INT4_PREFETCH; a hint, the result does not depend on it)."""
     if not _HAVE_TRITON:
         raise RuntimeError("int4_matmul: triton is not installed (check available() first)")
     k, n = packed.in_features, packed.out_features
-    x_features = 2 * k if gated else k
-    if x.shape[-1] != x_features:
-        raise ValueError(f"int4_matmul: x has {x.shape[-1]} features, the weight takes {k}{' (gated: twice that)' if gated else ''}")
+    if x.shape[-1] != k:
+        raise ValueError(f"int4_matmul: x has {x.shape[-1]} features, the weight takes {k}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x_features)
+    x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
@@ -760,7 +727,7 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
         return y.reshape(*lead, n)
     cfg = config or pick_config(m, n, k, x.device)
     if cfg.tiles and m == 1 and packed.group_size % TILE_K == 0:
-        return _gemv(x2, packed, bias, cfg, y, prefetch, gated).reshape(*lead, n)
+        return _gemv(x2, packed, bias, cfg, y, prefetch).reshape(*lead, n)
     bm = cfg.block_m if cfg.use_dot else 1
     grid_n = -(-n // cfg.block_n)
     grid_m = -(-m // bm)
@@ -773,7 +740,7 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
                 bias if bias is not None else packed.scales, y, ws, packed.counters,
                 m, n, k, packed.qweight.shape[0] // 16, x2.stride(0), y.stride(0))
     shared = dict(GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
-                  BM=bm, BN=cfg.block_n, SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, GATED=gated,
+                  BM=bm, BN=cfg.block_n, SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **_prefetch_args(prefetch, packed.qweight, cfg.num_warps))
     if cfg.use_dot and (MMA16 if cfg.mma16 is None else cfg.mma16) and x.dtype in _MAGIC:
         magic_bits, magic_value = _MAGIC[x.dtype]
@@ -795,7 +762,7 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
 
 
 def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, cfg: KernelConfig, y: torch.Tensor,
-          prefetch: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+          prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """One row through `_int4_gemv_kernel` into y [1, N]."""
     n = packed.out_features
     grid_n = -(-n // cfg.block_n)
@@ -809,7 +776,7 @@ def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, 
         n, packed.in_features, packed.qweight.shape[0] // 16,
         GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
         BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, OFFSET_SUM=cfg.offset_sum, PDL=pdl, USE_ASM=not interpreting(),
-        EVEN_K=packed.in_features % TILE_K == 0 and (packed.qweight.shape[0] // 16) % cfg.tiles == 0, GATED=gated,
+        EVEN_K=packed.in_features % TILE_K == 0 and (packed.qweight.shape[0] // 16) % cfg.tiles == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_prefetch_args(prefetch, packed.qweight, cfg.num_warps),
         **({"launch_pdl": True} if pdl else {}),
     )
@@ -820,7 +787,7 @@ def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, 
 
 @torch.library.custom_op("qfd::int4_mm", mutates_args=())
 def int4_mm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, counters: torch.Tensor,
-               bias: torch.Tensor | None, group_size: int, in_features: int, prefetch: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+               bias: torch.Tensor | None, group_size: int, in_features: int, prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """`int4_matmul` as an opaque torch op, so torch.compile keeps it as one call (a GEMM has
     nothing to fuse) instead of tracing into Triton's launcher. The split-K `counters` are
     written during the launch but always return to zero, so to every caller the op has no
@@ -829,11 +796,11 @@ def int4_mm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     same layout, float32 math."""
     packed = TritonInt4Weight(qweight, scales, zeros, counters, group_size, in_features, qweight.shape[1])
     if not runs_on(x):
-        return reference_matmul(x, packed, bias, gated)
-    return int4_matmul(x, packed, bias, prefetch=prefetch, gated=gated)
+        return reference_matmul(x, packed, bias)
+    return int4_matmul(x, packed, bias, prefetch=prefetch)
 
 
 @int4_mm_op.register_fake
-def _int4_mm_fake(x, qweight, scales, zeros, counters, bias, group_size, in_features, prefetch=None, gated=False):
+def _int4_mm_fake(x, qweight, scales, zeros, counters, bias, group_size, in_features, prefetch=None):
     return x.new_empty(*x.shape[:-1], qweight.shape[1])
 

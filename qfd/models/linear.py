@@ -78,14 +78,3 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
-
-
-def down_of_gate_up(down_proj: nn.Module, gate_up: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-    """down_proj(silu(gate) * up) from an MLP's fused gate/up output: as one INT4 product that
-    computes its input while loading it where the layer offers one (`Int4Linear.forward_gated`,
-    QFD_INT4_GATED=1), else the elementwise product, then the layer."""
-    forward_gated = getattr(down_proj, "forward_gated", None)
-    if forward_gated is not None and len(sizes) == 2 and sizes[0] == sizes[1]:
-        return forward_gated(gate_up)
-    gate, up = torch.split(gate_up, sizes, dim=-1)
-    return down_proj(F.silu(gate) * up)

@@ -32,7 +32,7 @@ from qfd.kernels import attention_triton
 from qfd.models import rope as rope_math
 from qfd.models.cache import GDNState, TargetCache
 from qfd.models.gdn import GatedDeltaNet, tree_structure
-from qfd.models.linear import Linear, down_of_gate_up  # Linear: nn.Linear + a CPU fast path for few rows
+from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
 
 FAMILIES = ("llama", "qwen3", "qwen3_5")
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -312,8 +312,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
-            return self.down_proj(F.silu(gate) * up)
-        return down_of_gate_up(self.down_proj, self.gate_up_proj(x), self.gate_up_sizes)
+        else:
+            gate, up = torch.split(self.gate_up_proj(x), self.gate_up_sizes, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

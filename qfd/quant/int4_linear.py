@@ -53,13 +53,6 @@ DEFAULT_CUDA_KERNEL = "triton"
 ONE_ROW_KERNELS = ("triton", "tinygemm")
 
 
-# An MLP's down projection reading the gate/up output directly (`Int4Linear.forward_gated`): the
-# INT4 kernel computes silu(gate) * up as it loads its input, saving the elementwise kernel and
-# its launch per MLP (32 launches per Qwen3.5-4B step, ~1.2 us each plus the gap on the H100).
-# QFD_INT4_GATED=1 turns it on; off until timed on a GPU (bench/gpu_kernels_ab.sh int4_gated).
-GATED_DOWN = os.environ.get("QFD_INT4_GATED", "0") == "1"
-
-
 def one_row_kernel() -> str:
     """$QFD_INT4_ONE_ROW: which kernel a Triton-mode layer runs one-row products through."""
     choice = os.environ.get("QFD_INT4_ONE_ROW", "triton")
@@ -206,22 +199,6 @@ class Int4Linear(nn.Module):
 
         return int4_mm_op(x2, self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.bias, self.group_size, self.in_features,
                           self.prefetch_next)
-
-    def forward_gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) from an MLP's gate/up output [..., 2 * in_features]: with
-        QFD_INT4_GATED in Triton mode for up to KERNEL_MAX_ROWS rows, one INT4 product that
-        computes its input while loading it (`int4_triton._gated_x`); else the elementwise
-        product, then `forward`."""
-        from qfd.kernels.int4_triton import gated_input, int4_mm_op
-
-        rows = gate_up.numel() // gate_up.shape[-1]
-        one_row_tinygemm = rows == 1 and getattr(self, "one_row_packed", None) is not None
-        if not (GATED_DOWN and self.mode == "triton" and rows <= KERNEL_MAX_ROWS["triton"] and not one_row_tinygemm):
-            return self.forward(gated_input(gate_up))
-        x2 = gate_up.reshape(-1, 2 * self.in_features).to(self.dtype).contiguous()
-        y = int4_mm_op(x2, self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.bias, self.group_size,
-                       self.in_features, self.prefetch_next, gated=True)
-        return y.reshape(*gate_up.shape[:-1], self.out_features).to(gate_up.dtype)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """w = (u - 8) * scale + zero, [out, in], from the kept nibbles (same formula as the kernel)."""
