@@ -1,6 +1,6 @@
 """Presets for `qfd all`: the flags each stage gets.
 
-demo: the embedded SmolLM2-135M on a 2-core CPU in about 20 minutes - small data, short
+demo: the embedded SmolLM2-135M on a 2-core CPU in about 12 minutes - small data, short
 training with fixed step counts, scaled-down latency lengths, 8 IFEval prompts. Numbers it
 prints are real measurements of that small run, not of the paper's setting.
 quick: every stage on the embedded model with the least work that still exercises it (about
