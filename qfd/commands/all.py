@@ -12,7 +12,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
     @app.command(name="all")
     def all_(
         out: Path = typer.Option(Path("runs/demo"), "--out", help="Pipeline directory: one subdirectory per stage."),
-        preset: str = typer.Option("demo", "--preset", help="demo (embedded model, CPU, ~20 min), quick (every stage with minimal work, ~5 min: a smoke check) or qwen3.5-4b (the paper's hyperparameters, GPU box)."),
+        preset: str = typer.Option("demo", "--preset", help="demo (embedded model, CPU, ~12 min), quick (every stage with minimal work, ~5 min: a smoke check) or qwen3.5-4b (the paper's hyperparameters, GPU box)."),
         model: Optional[str] = typer.Option(None, "--model", help="BF16 model (directory, hub id or built-in name); default: the preset's."),
         ckpt: Optional[Path] = typer.Option(None, "--ckpt", help="An existing INT4 checkpoint of the model: skips `quantize`."),
         from_stage: Optional[str] = typer.Option(None, "--from", help="Re-run from this stage on (see the stage list printed by a run)."),
