@@ -137,6 +137,10 @@ class GDNState:
         """After a tree forward: the state after tree node `node` (its path committed)."""
         self.recurrent.copy_(self.history[:, node])
         self.conv.copy_(self.window[..., self.tree_conv[node, 1:]])
+        self.tree_node_kept()
+
+    def tree_node_kept(self) -> None:
+        """Forget the tree forward once a node's state and conv columns are restored."""
         self.steps, self.window, self.tree_conv = 0, None, None
 
     def rollback(self, keep: int) -> None:
@@ -148,7 +152,7 @@ class GDNState:
         if keep == 0:
             self.recurrent.copy_(self.start)
         elif self.from_records:
-            self.recurrent.copy_(self._replayed(keep))
+            self._replayed(keep, out=self.recurrent)
         elif self.inputs is None:
             self.recurrent.copy_(self.history[:, keep - 1])
         else:
@@ -156,18 +160,19 @@ class GDNState:
             _, state = recurrent_gated_delta(q, k, v, g, beta, self.start)
             self.recurrent.copy_(state)
 
-    def _replayed(self, keep: int) -> torch.Tensor:
-        """The state after the first `keep` recorded tokens: the start with their updates
-        replayed, rounded as the code that recorded them did - the conv-step kernel's records in
-        `gdn_rollback_triton` (its fused multiply-add), torch reference's in torch."""
+    def _replayed(self, keep: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The state after the first `keep` recorded tokens, written into `out` (a new tensor
+        without): the start with their updates replayed, rounded as the code that recorded them
+        did - the conv-step kernel's records in `gdn_rollback_triton` (its fused multiply-add),
+        torch reference's in torch."""
+        out = torch.empty_like(self.recurrent) if out is None else out
         if self.records_from_kernel() and self.recurrent.shape[0] == 1:
-            replayed = torch.empty_like(self.recurrent)
-            if launch_or_fallback("Gated DeltaNet rollback (all layers)", lambda: gdn_rollback_triton.replay(replayed, self.start, self.records, keep) or True, lambda: False):
-                return replayed
+            if launch_or_fallback("Gated DeltaNet rollback (all layers)", lambda: gdn_rollback_triton.replay(out, self.start, self.records, keep) or True, lambda: False):
+                return out
         state = self.start
         for t in range(keep):
             state = replay_update(state, self.records[:, t])
-        return state
+        return out.copy_(state)
 
     def records_from_kernel(self) -> bool:
         """Whether the last forward's records came from the conv-step kernel (not its torch fallback)."""
@@ -276,7 +281,7 @@ class TargetCache:
         node = path[-1]
         if states and states[0].tree_conv is not None and self._restore_in_one_launch(states, node, columns=states[0].tree_conv[node, 1:]):
             for state in states:
-                state.steps, state.window, state.tree_conv = 0, None, None
+                state.tree_node_kept()
         else:
             for state in states:
                 state.keep_tree_node(node)
