@@ -401,6 +401,7 @@ def test_one_launch_rollback_equals_the_per_layer_copies(dtype, keep, monkeypatc
     launches = []
     real_restore = gdn_rollback_triton.restore
     monkeypatch.setattr(gdn_rollback_triton, "restore", lambda *args, **kw: launches.append(1) or real_restore(*args, **kw))
+    monkeypatch.setattr(cache_module, "ONE_LAUNCH_ROLLBACK", True)  # whatever QFD_GDN_ROLLBACK says
     one_launch, per_layer = rolled_back_caches(KERNEL_DEVICE, dtype)
     one_launch.rollback(keep)
     monkeypatch.setattr(cache_module, "ONE_LAUNCH_ROLLBACK", False)
