@@ -146,6 +146,7 @@ def main() -> None:
     p.add_argument("--ab-knobs", type=Path, default=None, metavar="JSON", help="print the shell exports (QFD_INT4_MAGIC, QFD_INT4_BM32) of the variants that won in a saved --ab run, and exit")
     p.add_argument("--ab-only", default="", metavar="LABELS", help="with --ab: time only these comma-separated variants beside the served config (e.g. mma16,mma16 s3)")
     p.add_argument("--ab", action="store_true", help="the served config against its variants (magic operand, dot for one row, 32-row blocks), side by side")
+    p.add_argument("--gated", action="store_true", help="also the served config as a GATED product (silu(gate) * up stored by the kernel, an MLP's fused gate/up) against the plain product then the activation compiled by torch.compile, side by side")
     p.add_argument("--out", type=Path, default=Path("int4_kernels.json"))
     args = p.parse_args()
     ab_only = {label.strip() for label in args.ab_only.split(",") if label.strip()}
@@ -198,6 +199,8 @@ def main() -> None:
 
             row["triton_us"] = timed(None, "triton_rel_err")
             row["triton_config"] = vars(int4_triton.pick_config(m, n, k, x.device))  # the config timed just above
+            if args.gated and n % 2 == 0:
+                row.update(gated_timings(x, packs, ref))
             if args.ab:
                 by_config: dict[int4_triton.KernelConfig, dict] = {}  # a variant that is the served config is timed once
 
@@ -269,12 +272,33 @@ def main() -> None:
             gbps = nbytes / (r["triton_best_us"] * 1e-6) / 1e9
             exact = f", exact arithmetic {r['triton_best_exact_us']:.2f} us" if "triton_best_exact_us" in r else ""
             print(f"  best {r['shape']} m={r['m']}: {r['triton_best_us']:.2f} us ({gbps:.0f} GB/s of codes + scales){exact}: {r['triton_best_config']}")
+    for r in results["rows"]:
+        if "gated_us" in r:
+            print(f"  gated {r['shape']} m={r['m']}: {r['gated_us']:.2f} us vs plain {r['triton_us']:.2f} + activation = {r['plain_act_us']:.2f} us "
+                  f"(activation alone {r['act_us']:.2f}): {r['plain_act_us'] / r['gated_us']:.2f}x, rel err {r.get('gated_rel_err', float('nan')):.1e}")
     for m, cfg, total in best_single_configs(results["sweep"]):
         print(f"rows={m}: best single config over all swept shapes: {total:.1f} us in all, {cfg}")
     results["best_single"] = [{"m": m, "sum_us": total, **cfg} for m, cfg, total in best_single_configs(results["sweep"])]
     save()
     if args.write_tuned is not None and args.sweep:
         print(f"tuned configs for {results['device']}: {write_tuned(args.write_tuned, results)}")
+
+
+def gated_timings(x: torch.Tensor, packs: list, ref: torch.Tensor | None) -> dict:
+    """A gate/up product's two ways, us per call in a CUDA graph: GATED (the kernel stores
+    silu(gate) * up) and the plain product then the activation as torch.compile fuses it (one
+    kernel: how a compiled step runs an MLP without the gated product), and the activation alone."""
+    act = torch.compile(int4_triton.silu_mul_interleaved)
+    plain = int4_triton.int4_matmul(x, packs[0])
+    act(plain)  # compile outside the graph
+    out = {"gated_us": graph_time_us([lambda p=p: int4_triton.int4_matmul(x, p, gated=True) for p in packs]),
+           "plain_act_us": graph_time_us([lambda p=p: act(int4_triton.int4_matmul(x, p)) for p in packs]),
+           "act_us": graph_time_us(lambda: act(plain))}
+    if ref is not None:
+        want = int4_triton.silu_mul_interleaved(ref)
+        got = int4_triton.int4_matmul(x, packs[0], gated=True).float()
+        out["gated_rel_err"] = float((got - want).abs().max() / want.abs().max())
+    return out
 
 
 def ab_variants(m: int, n: int, k: int):

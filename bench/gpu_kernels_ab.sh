@@ -24,7 +24,11 @@
 #                int4_prefetch (fused, each INT4 product asking the L2 for the next one's weights: QFD_INT4_PREFETCH=1),
 #                rollback_per_layer (fused, the GDN rollback as two eager copies per layer, the default before
 #                2026-12-07: QFD_GDN_ROLLBACK=per_layer), gdn_records (fused, a decode / verify recording
-#                each token's update instead of its state: QFD_GDN_HISTORY=records)
+#                each token's update instead of its state: QFD_GDN_HISTORY=records), gated_mlp_off (fused,
+#                the MLP's INT4 gate/up product stored plain and its activation a kernel of its own, the
+#                default before 2026-12-07's twenty-first session: QFD_GATED_MLP=0), window_channels_first (fused, the GDN
+#                conv window built channels first, the default before that session: QFD_GDN_WINDOW=channels_first),
+#                plain_mlp_channels_first_window (both of the last two: the steps as before that session)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks;
@@ -42,7 +46,7 @@ limit=${STEPS_FIRST_S:-$(( ${STEPS_S:-150} + 120 ))}
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=1 prefetch=0 rollback=one_launch history=states
+    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=1 prefetch=0 rollback=one_launch history=states gated=1 window=channels_last
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
     [ "$variant" = gdn_chunk_verify ] && verify=chunk
@@ -56,11 +60,13 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = int4_prefetch ] && prefetch=1
     [ "$variant" = rollback_per_layer ] && rollback=per_layer
     [ "$variant" = gdn_records ] && history=records
+    case $variant in gated_mlp_off|plain_mlp_channels_first_window) gated=0 ;; esac
+    case $variant in window_channels_first|plain_mlp_channels_first_window) window=channels_first ;; esac
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
     [ "$variant" = int4_head ] && flags="--int4-head"
-    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention QFD_INT4_PDL=$pdl QFD_INT4_WFIRST=$wfirst QFD_INT4_MMA16=$mma16 QFD_INT4_PREFETCH=$prefetch QFD_GDN_ROLLBACK=$rollback QFD_GDN_HISTORY=$history timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention QFD_INT4_PDL=$pdl QFD_INT4_WFIRST=$wfirst QFD_INT4_MMA16=$mma16 QFD_INT4_PREFETCH=$prefetch QFD_GDN_ROLLBACK=$rollback QFD_GDN_HISTORY=$history QFD_GATED_MLP=$gated QFD_GDN_WINDOW=$window timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"

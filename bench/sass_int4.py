@@ -69,9 +69,9 @@ _POINTERS = ("x_ptr", "q_ptr", "s_ptr", "z_ptr", "b_ptr", "y_ptr", "ws_ptr", "cn
 
 
 def compile_kernel(fn, runtime_args: dict[str, str], constants: dict, num_warps: int, num_stages: int, arch: int,
-                   values: dict[str, int] | None = None) -> tuple[str, int, int]:
+                   values: dict[str, int] | None = None, pointers: tuple[str, ...] = _POINTERS) -> tuple[str, int, int]:
     """(SASS, registers per thread, static shared bytes) of one specialization of a Triton kernel,
-    specialized as a launch would be: pointers 16-byte aligned; an integer argument in `values`
+    specialized as a launch would be: `pointers` 16-byte aligned; an integer argument in `values`
     that divides by 16 gets that divisibility, one equal to 1 becomes the constant 1."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -80,7 +80,7 @@ def compile_kernel(fn, runtime_args: dict[str, str], constants: dict, num_warps:
     values = values or {}
     ones = {name: 1 for name, v in values.items() if v == 1 and name in runtime_args}
     signature = {name: ("constexpr" if name in ones else kind) for name, kind in runtime_args.items()} | {name: "constexpr" for name in constants}
-    aligned = [name for name in runtime_args if name in _POINTERS or (name not in ones and values.get(name, 1) % 16 == 0)]
+    aligned = [name for name in runtime_args if name in pointers or (name not in ones and values.get(name, 1) % 16 == 0)]
     source = ASTSource(fn=fn, signature=signature,
                        constexprs={(fn.arg_names.index(k),): v for k, v in (constants | ones).items()},
                        attrs={(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned})

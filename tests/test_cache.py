@@ -103,3 +103,26 @@ def test_reset_starts_a_new_sequence(models, family):
     cache.reset()
     ids = _ids(6)
     torch.testing.assert_close(model(ids, cache).logits, model(ids).logits, atol=1e-4, rtol=0)
+
+
+@torch.no_grad()
+def test_the_conv_window_is_channels_last_and_either_layout_gives_the_same_steps(models, monkeypatch):
+    """Through a cache the GDN conv window is a channels-last view ([B, K-1+T, C] memory, what
+    the step kernels read through strides); QFD_GDN_WINDOW=channels_first builds it as before.
+    Both give the same logits and states through a verify and its rollback."""
+    from qfd.models import gdn
+
+    model = models["qwen3_5"]
+    prompt, block = _ids(12), _ids(16, seed=1)
+    results = []
+    for channels_last in (True, False):
+        monkeypatch.setattr(gdn, "CHANNELS_LAST_WINDOW", channels_last)
+        cache = model.new_cache(64)
+        model(prompt, cache)
+        logits = model(block, cache).logits
+        window = next(iter(cache.gdn.values())).window
+        assert (window.stride(1) == 1) is channels_last
+        cache.rollback(12 + 5)
+        results.append((logits, cache))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=ATOL, rtol=0)
+    _assert_same_state(results[0][1], results[1][1], 12 + 5)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from qfd.kernels import int4_triton
 from qfd.models.fuse import fuse_projections
 from qfd.models.linear import Linear
 from qfd.models.loading import load_target
@@ -107,9 +108,25 @@ def test_fused_int4_model_matches_unfused(checkpoints, family, kernel, symmetric
     assert isinstance(gate_up, Int4Linear) and gate_up.out_features == 2 * model.config.intermediate_size
     if kernel:
         parts = model.model.layers[0].mlp.gate_proj, model.model.layers[0].mlp.up_proj
-        assert gate_up.triton_qweight.shape == (parts[0].triton_qweight.shape[0], gate_up.out_features)
+        # a gated pair: gate and up interleaved column by column, silu(gate) * up from the product
+        assert gate_up.gated and "gated" in repr(gate_up)
+        assert torch.equal(gate_up.triton_qweight, int4_triton.interleave_columns(parts[0].triton_qweight, parts[1].triton_qweight))
         assert (gate_up.triton_zeros is None) == symmetric
         assert not gate_up.triton_counters.any() and gate_up.triton_counters.shape == parts[0].triton_counters.shape
+    else:
+        assert not gate_up.gated
+    _assert_same_outputs(model, fused)
+
+
+def test_qfd_gated_mlp_0_keeps_gate_and_up_side_by_side(checkpoints, monkeypatch):
+    """QFD_GATED_MLP=0: the MLP's INT4 gate/up pair concatenates as the other groups do and the
+    MLP applies its activation itself - the same outputs."""
+    monkeypatch.setenv("QFD_GATED_MLP", "0")
+    model = _quantize(_unfused(checkpoints["qwen3_5"]), "triton", False)
+    fused = copy.deepcopy(model)
+    fuse_projections(fused)
+    gate_up = fused.model.layers[0].mlp.gate_up_proj
+    assert isinstance(gate_up, Int4Linear) and not gate_up.gated and fused.model.layers[0].mlp.gate_up_sizes == (model.config.intermediate_size,) * 2
     _assert_same_outputs(model, fused)
 
 

@@ -71,11 +71,13 @@ def test_kernel_matches_the_torch_recurrence():
     check_step(KERNEL_DEVICE)
 
 
-def conv_step_inputs(dtype, device, B=2, T=5, k_heads=2, dk=32, H=4, dv=48, kc=4, seed=0):
-    """Raw layer inputs; a and b are strided views of one projection output, as after fusion."""
+def conv_step_inputs(dtype, device, B=2, T=5, k_heads=2, dk=32, H=4, dv=48, kc=4, seed=0, channels_last=False):
+    """Raw layer inputs; a and b are strided views of one projection output, as after fusion.
+    channels_last: the window [B, C, K-1+T] a transposed view of [B, K-1+T, C] memory, as
+    `GatedDeltaNet._window` builds it through a cache."""
     torch.manual_seed(seed)
     C = 2 * k_heads * dk + H * dv
-    window = torch.randn(B, C, kc - 1 + T).to(dtype)
+    window = torch.randn(B, kc - 1 + T, C).to(dtype).transpose(1, 2) if channels_last else torch.randn(B, C, kc - 1 + T).to(dtype)
     conv_weight = (torch.randn(C, 1, kc) * 0.5).to(dtype)
     ab = torch.randn(B, T, 2 * H + 3).to(dtype)
     b, a = ab[..., :H], ab[..., H : 2 * H]
@@ -84,8 +86,8 @@ def conv_step_inputs(dtype, device, B=2, T=5, k_heads=2, dk=32, H=4, dv=48, kc=4
     return [x.to(device) for x in (window, conv_weight, a, b, A_log, dt_bias, state)], (k_heads, dk, H, dv)
 
 
-def check_conv_step(device, dtype, tol, T=5):
-    (window, conv_weight, a, b, A_log, dt_bias, state), dims = conv_step_inputs(dtype, device, T=T)
+def check_conv_step(device, dtype, tol, T=5, channels_last=False):
+    (window, conv_weight, a, b, A_log, dt_bias, state), dims = conv_step_inputs(dtype, device, T=T, channels_last=channels_last)
     B, C, W = window.shape
     q, k, v, g, beta = conv_and_gates(window.cpu(), conv_weight.cpu(), a.cpu(), b.cpu(), A_log.cpu(), dt_bias.cpu(), dims, dtype)
     expected_history = torch.zeros(B, max(16, T), *state.shape[1:])
@@ -107,17 +109,19 @@ def test_the_conv_op_equals_conv_and_gates_then_the_recurrence():
 
 
 @needs_triton
+@pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_conv_kernel_matches_the_torch_layer_math(dtype, tol, monkeypatch):
-    """bf16: the kernel rounds where the module does (conv, SiLU, beta); sums differ in order."""
+def test_conv_kernel_matches_the_torch_layer_math(dtype, tol, channels_last, monkeypatch):
+    """bf16: the kernel rounds where the module does (conv, SiLU, beta); sums differ in order.
+    The window in either memory layout (the kernel reads it through its strides)."""
     from qfd import kernels
 
     monkeypatch.setattr(kernels, "_FAILED", set())
-    check_conv_step(KERNEL_DEVICE, dtype, tol)
+    check_conv_step(KERNEL_DEVICE, dtype, tol, channels_last=channels_last)
     assert not kernels._FAILED  # the kernel ran (no torch fallback)
 
 
-def run_conv_kernel(prefetch, dtype, T, monkeypatch):
+def run_conv_kernel(prefetch, dtype, T, monkeypatch, channels_last=False):
     """The conv op's token-loop kernel with QFD_GDN_PREFETCH on or off on `conv_step_inputs`:
     (output, final state, start, history, conv state), the torch layer math's (output, final
     state, history), and which kernels launched (a kernel failure fails the test)."""
@@ -138,7 +142,7 @@ def run_conv_kernel(prefetch, dtype, T, monkeypatch):
     for name in ("_gated_delta_conv_kernel", "_gated_delta_conv_prefetch_kernel"):
         kernel = getattr(gdn_triton, name)
         monkeypatch.setattr(gdn_triton, name, Recorded(name, getattr(kernel, "kernel", kernel)))
-    (window, conv_weight, a, b, A_log, dt_bias, state), dims = conv_step_inputs(dtype, KERNEL_DEVICE, T=T)
+    (window, conv_weight, a, b, A_log, dt_bias, state), dims = conv_step_inputs(dtype, KERNEL_DEVICE, T=T, channels_last=channels_last)
     B, C, W = window.shape
     q, k, v, g, beta = conv_and_gates(window.cpu(), conv_weight.cpu(), a.cpu(), b.cpu(), A_log.cpu(), dt_bias.cpu(), dims, dtype)
     expected_history = torch.zeros(B, 16, *state.shape[1:])
@@ -153,15 +157,15 @@ def run_conv_kernel(prefetch, dtype, T, monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("T", [1, 3, 16])
+@pytest.mark.parametrize("T,channels_last", [(1, False), (3, False), (16, False), (1, True), (16, True)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_prefetching_conv_kernel_equals_the_plain_token_loop(T, dtype, tol, monkeypatch):
+def test_prefetching_conv_kernel_equals_the_plain_token_loop(T, channels_last, dtype, tol, monkeypatch):
     """QFD_GDN_PREFETCH: the token loop with its loads issued ahead (gates of all tokens before
     the loop, token t+1's window columns during token t) matches the torch layer math as the
     plain loop does, and equals the plain loop itself (the same float32 ops: exactly under the
     interpreter; on a GPU the compiler may contract the two differently)."""
-    plain, expected, plain_kernel = run_conv_kernel(False, dtype, T, monkeypatch)
-    ahead, _, ahead_kernel = run_conv_kernel(True, dtype, T, monkeypatch)
+    plain, expected, plain_kernel = run_conv_kernel(False, dtype, T, monkeypatch, channels_last)
+    ahead, _, ahead_kernel = run_conv_kernel(True, dtype, T, monkeypatch, channels_last)
     assert (plain_kernel, ahead_kernel) == (["_gated_delta_conv_kernel"], ["_gated_delta_conv_prefetch_kernel"])
     for got in (plain, ahead):
         out, final, _, history, _ = got
@@ -174,9 +178,9 @@ def test_prefetching_conv_kernel_equals_the_plain_token_loop(T, dtype, tol, monk
 
 
 @needs_triton
-@pytest.mark.parametrize("T", [2, 5, 16, 20])
+@pytest.mark.parametrize("T,channels_last", [(2, False), (5, False), (16, False), (20, False), (5, True), (16, True)])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_parallel_verify_kernel_matches_the_torch_layer_math(T, dtype, tol, monkeypatch):
+def test_parallel_verify_kernel_matches_the_torch_layer_math(T, channels_last, dtype, tol, monkeypatch):
     """QFD_GDN_VERIFY=chunk: the step's tokens in the WY form (gdn_verify_triton) give the
     token-by-token recurrence's outputs, final state, rollback history and conv state, for
     steps padded to 16 and to 32 tokens."""
@@ -189,7 +193,7 @@ def test_parallel_verify_kernel_matches_the_torch_layer_math(T, dtype, tol, monk
     real_launch = gdn_verify_triton.launch
     monkeypatch.setattr(gdn_verify_triton, "launch", lambda *args: launches.append(T) or real_launch(*args))
     assert gdn_verify_triton.takes(T)
-    check_conv_step(KERNEL_DEVICE, dtype, tol, T=T)
+    check_conv_step(KERNEL_DEVICE, dtype, tol, T=T, channels_last=channels_last)
     assert launches == [T] and not kernels._FAILED  # the parallel kernel ran (no torch fallback)
 
 
@@ -456,7 +460,7 @@ def conv_step_states(monkeypatch, dtype, T):
     recording the history (states), one the token records (QFD_GDN_HISTORY=records)."""
     from qfd.models import cache as cache_module
 
-    (window, conv_weight, a, b, A_log, dt_bias, state0), (k_heads, dk, H, dv) = conv_step_inputs(dtype, KERNEL_DEVICE, B=1, T=T)
+    (window, conv_weight, a, b, A_log, dt_bias, state0), (k_heads, dk, H, dv) = conv_step_inputs(dtype, KERNEL_DEVICE, B=1, T=T, channels_last=True)
     caches, outs = [], []
     for records in (False, True):
         monkeypatch.setattr(cache_module, "RECORD_UPDATES", records)

@@ -394,3 +394,63 @@ def test_the_tuned_table_keeps_one_entry_per_shape_the_faster(tmp_path):
                                  "rows": [{"m": 16, "n": 2560, "k": 4096, "triton_best_us": 12.0, "triton_best_config": mma}]})
     table = json.loads(out.read_text())["configs"]
     assert [(e["m"], e["us"], e["block_n"], e["mma16"]) for e in table] == [(1, 7.5, 32, None), (16, 12.0, 128, True)]
+
+
+def gated_pair_packed(k, half, group, symmetric, device, dtype):
+    """A gate and an up projection's packed layouts, interleaved column by column for a GATED
+    product, and their concatenation [gate | up] for the plain product to compare with."""
+    gate, up = (int4_triton.pack_for_triton(weight(half, k, group, symmetric, seed), device, scale_dtype=dtype) for seed in (1, 2))
+    zeros = None if symmetric else (gate.zeros, up.zeros)
+
+    def joined(join):
+        return int4_triton.TritonInt4Weight(join(gate.qweight, up.qweight), join(gate.scales, up.scales), None if zeros is None else join(*zeros),
+                                            torch.zeros_like(gate.counters), group, k, 2 * half)
+
+    return joined(int4_triton.interleave_columns), joined(lambda a, b: torch.cat([a, b], dim=-1))
+
+
+@needs_triton
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("rows,dtype,config", [
+    (1, torch.float32, dict(use_dot=False, block_n=32, split_k=2, tiles=2)),  # `_int4_gemv_kernel`
+    (1, torch.float32, dict(use_dot=False, block_n=32, split_k=1)),  # `_int4_mm_kernel`, CUDA cores
+    (3, torch.float32, dict(use_dot=True, block_n=32, split_k=2, mma16=False)),
+    (16, torch.float32, dict(use_dot=True, block_n=64, split_k=1, mma16=False, w_first=True)),
+    (16, torch.float16, dict(use_dot=True, block_n=32, split_k=2, num_stages=2)),  # `_int4_mma_kernel`
+    (32, torch.float16, dict(use_dot=True, block_n=64, split_k=1, block_m=32, num_stages=2)),
+])
+def test_a_gated_product_stores_silu_of_gate_times_up(symmetric, rows, dtype, config):
+    """GATED: gate and up interleaved column by column, the kernel stores silu(gate) * up [rows,
+    N / 2] (50 outputs: a partial last block) - the plain product of the same weights, then the
+    MLP's activation in torch, to its 16-bit rounding - and leaves its split-K counters at zero."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    k, half = 512, 50
+    interleaved, side_by_side = gated_pair_packed(k, half, 128, symmetric, device, dtype)
+    torch.manual_seed(3)
+    x = torch.randn(rows, k, device=device).to(dtype)
+    bias = torch.randn(2 * half, device=device).to(dtype)
+    cfg = int4_triton.KernelConfig(**config)
+    got = int4_triton.int4_matmul(x, interleaved, int4_triton.interleave_columns(bias[:half], bias[half:]), config=cfg, gated=True)
+    assert got.shape == (rows, half) and got.dtype == dtype
+    plain = int4_triton.int4_matmul(x, side_by_side, bias, config=cfg)
+    expected = int4_triton.silu_mul_interleaved(int4_triton.interleave_columns(plain[:, :half], plain[:, half:]))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+    gate, up = plain[:, :half].float(), plain[:, half:].float()
+    torch.testing.assert_close(got.float(), torch.nn.functional.silu(gate) * up, rtol=1e-2, atol=1e-2)
+    assert int(interleaved.counters.abs().sum()) == 0
+
+
+def test_a_gated_products_reference_and_fake_give_half_the_outputs():
+    """Without the kernel (Triton missing, or CPU tensors outside the interpreter) the op's
+    reference computes the same gated result; torch.compile's fake kernel has its shape."""
+    interleaved, side_by_side = gated_pair_packed(256, 24, 128, False, "cpu", torch.float32)
+    x = torch.randn(2, 256)
+    got = int4_triton.reference_matmul(x, interleaved, gated=True)
+    plain = int4_triton.reference_matmul(x, side_by_side)
+    torch.testing.assert_close(got, torch.nn.functional.silu(plain[:, :24]) * plain[:, 24:], rtol=1e-5, atol=1e-5)
+    fake = int4_triton._int4_mm_fake(x, interleaved.qweight, interleaved.scales, interleaved.zeros, interleaved.counters, None, 128, 256, gated=True)
+    assert fake.shape == (2, 24)
+    with pytest.raises(ValueError, match="even number of outputs"):
+        odd = int4_triton.pack_for_triton(weight(5, 256), "cpu")
+        int4_triton.int4_matmul(x, odd, gated=True)

@@ -91,3 +91,29 @@ def test_the_sweep_at_32_rows_tries_32_row_blocks_as_the_served_heuristic_runs_t
 
     assert {c.block_m for c in sweep_configs(32, "mma16")} == {32}
     assert {c.block_m for c in sweep_configs(16, "mma16") if c.use_dot} == {16}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="compiling needs triton (not on CI), and not its interpreter")
+def test_the_gated_epilogue_leaves_each_main_loop_as_it_was():
+    """bench/sass_fusions.py: silu(gate) * up is computed after the K loop, once per tile (sm_90)."""
+    from sass_fusions import gated_study
+
+    for row in gated_study("NVIDIA H100 80GB HBM3", 90, rows=(1, 16)):
+        if row["form"].startswith(("served", "mma16")):  # the forms the defaults run
+            assert row["gated"]["loop_instructions"] == row["plain"]["loop_instructions"]
+            assert row["gated"]["registers"] <= row["plain"]["registers"] + 2
+            assert row["gated"]["instructions"] > row["plain"]["instructions"]  # the epilogue is there
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="compiling needs triton (not on CI), and not its interpreter")
+def test_a_channels_last_window_is_read_in_wide_loads():
+    """bench/sass_fusions.py: the GDN conv-step kernel reads a channels-last window's taps in
+    128-bit loads, where channels first takes one 16-bit load per element (sm_90)."""
+    from sass_fusions import window_study
+
+    rows = {(r["tokens"], r["layout"]): r["global_loads"] for r in window_study(90, tokens=(16,))}
+    first, last = rows[(16, "channels first")], rows[(16, "channels last")]
+    assert last.get("LDG.E.128", 0) > first.get("LDG.E.128", 0)
+    assert last.get("LDG.E.U16", 0) < first.get("LDG.E.U16", 0) / 4

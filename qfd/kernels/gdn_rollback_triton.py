@@ -39,7 +39,7 @@ if _HAVE_TRITON:
     RECURRENT, START, HISTORY, CONV, WINDOW, RECORDS, COLUMNS = (tl.constexpr(i) for i in range(7))
 
     @triton.jit
-    def _restore_kernel(table, columns, history_offset, first_column, replayed, state_numel, conv_rows, window_cols, H,
+    def _restore_kernel(table, columns, history_offset, first_column, replayed, state_numel, conv_rows, win_c, win_w, H,
                         DK: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, KM1: tl.constexpr, KM1_P2: tl.constexpr,
                         CONV_BITS: tl.constexpr, SOURCE: tl.constexpr, GATHER: tl.constexpr, WITH_CONV: tl.constexpr,
                         BLOCK: tl.constexpr, STATE_ROWS: tl.constexpr, ROWS: tl.constexpr):
@@ -62,7 +62,7 @@ if _HAVE_TRITON:
             dst = tl.load(row + RECURRENT).to(tl.pointer_type(tl.int32))
             tl.store(dst + offs, tl.load(src + offs, mask=inside), mask=inside)
         if WITH_CONV:
-            _restore_conv(row, columns, first_column, conv_rows, window_cols, chunk, KM1, KM1_P2, CONV_BITS, GATHER, ROWS)
+            _restore_conv(row, columns, first_column, conv_rows, win_c, win_w, chunk, KM1, KM1_P2, CONV_BITS, GATHER, ROWS)
 
     @triton.jit
     def _replay_records(row, chunk, replayed, H, DK: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr, STATE_ROWS: tl.constexpr):
@@ -85,10 +85,11 @@ if _HAVE_TRITON:
         tl.store(tl.load(row + RECURRENT).to(tl.pointer_type(tl.float32)) + tile, state, mask=mask)
 
     @triton.jit
-    def _restore_conv(row, columns, first_column, conv_rows, window_cols, chunk,
+    def _restore_conv(row, columns, first_column, conv_rows, win_c, win_w, chunk,
                       KM1: tl.constexpr, KM1_P2: tl.constexpr, CONV_BITS: tl.constexpr, GATHER: tl.constexpr, ROWS: tl.constexpr):
-        """ROWS rows (block `chunk`) of a layer's conv state [C, KM1] from its window [C,
-        window_cols]: columns first_column + j, or columns[j] (GATHER); a bit copy."""
+        """ROWS rows (block `chunk`) of a layer's conv state [C, KM1] from its window [C, K-1+T]
+        (element (c, w) at c win_c + w win_w): columns first_column + j, or columns[j] (GATHER);
+        a bit copy."""
         conv_type = tl.int16 if CONV_BITS == 16 else tl.int32
         conv = tl.load(row + CONV).to(tl.pointer_type(conv_type))
         window = tl.load(row + WINDOW).to(tl.pointer_type(conv_type))
@@ -99,7 +100,7 @@ if _HAVE_TRITON:
         else:
             cols = first_column + j
         mask = (rows[:, None] < conv_rows) & (j[None, :] < KM1)
-        values = tl.load(window + rows[:, None].to(tl.int64) * window_cols + cols[None, :], mask=mask)
+        values = tl.load(window + rows[:, None].to(tl.int64) * win_c + cols[None, :].to(tl.int64) * win_w, mask=mask)
         tl.store(conv + rows[:, None] * KM1 + j[None, :], values, mask=mask)
 
 
@@ -115,8 +116,8 @@ def restore(table: torch.Tensor, state, slot: int = -1, first_column: int = 0, c
     """Restore every layer in `table` (all shaped like GDNState `state`, batch 1): the recurrent
     state from history slot `slot` (-1: the saved start), or with `replayed` = n from the start
     and the first n token records; the conv state from window columns `first_column` + j (or
-    `columns` [K-1], int64, on the device)."""
-    _launch(table, state.recurrent.shape, state.conv, state.window.shape[-1], slot, first_column, columns, replayed)
+    `columns` [K-1], int64, on the device). Every layer's window has `state.window`'s strides."""
+    _launch(table, state.recurrent.shape, state.conv, state.window.stride()[1:], slot, first_column, columns, replayed)
 
 
 def replay(out: torch.Tensor, start: torch.Tensor, records: torch.Tensor, replayed: int) -> None:
@@ -124,10 +125,10 @@ def replay(out: torch.Tensor, start: torch.Tensor, records: torch.Tensor, replay
     `start` with their updates from `records` [1, >=replayed, H, dk + dv + 1], rounded as the
     step kernel rounded them (conv state untouched)."""
     table = torch.tensor([[out.data_ptr(), start.data_ptr(), 0, 0, 0, records.data_ptr()]], dtype=torch.int64, device=out.device)
-    _launch(table, out.shape, None, 0, -1, 0, None, replayed)
+    _launch(table, out.shape, None, (0, 0), -1, 0, None, replayed)
 
 
-def _launch(table, state_shape, conv: torch.Tensor | None, window_cols: int, slot: int, first_column: int, columns: torch.Tensor | None, replayed: int | None) -> None:
+def _launch(table, state_shape, conv: torch.Tensor | None, window_strides: tuple[int, int], slot: int, first_column: int, columns: torch.Tensor | None, replayed: int | None) -> None:
     """`_restore_kernel` over the table's layers; conv None: the recurrent state only."""
     layers = table.shape[0]
     _, heads, dk, dv = state_shape
@@ -141,7 +142,7 @@ def _launch(table, state_shape, conv: torch.Tensor | None, window_cols: int, slo
     chunks = max(chunks, triton.cdiv(conv_rows, rows_per_chunk))
     _restore_kernel[(layers, chunks)](
         table, table if columns is None else columns, max(slot, 0) * state_numel, first_column, replayed or 0, state_numel, conv_rows,
-        window_cols, heads,
+        *window_strides, heads,
         DK=dk, DV=dv, DVP=dvp, KM1=km1, KM1_P2=triton.next_power_of_2(km1), CONV_BITS=16 if conv is None else conv.element_size() * 8,
         SOURCE=source, GATHER=columns is not None, WITH_CONV=conv is not None, BLOCK=STATE_BLOCK, STATE_ROWS=state_rows, ROWS=rows_per_chunk,
         num_warps=4,

@@ -173,7 +173,7 @@ if _HAVE_TRITON:
         return decay, beta
 
     @triton.jit
-    def _conv_token(state, t, b, h, vb, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
+    def _conv_token(state, t, b, h, vb, T, H, DV, HIST_T, AB_ROW, WC, WW, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
                     k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale,
                     DK: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr, RECORDS: tl.constexpr):
         """Token t of `_gated_delta_conv_kernel`: its conv weights, window columns and gates
@@ -182,19 +182,20 @@ if _HAVE_TRITON:
         ab = (b * T + t) * AB_ROW + h
         decay, beta = _decay_beta(tl.load(a_ptr + ab), tl.load(b_ptr + ab), neg_a, dt_bias, ROUND)
         return _conv_token_loaded(state, t, b, h, vb, T, H, DV, HIST_T, o_ptr, hist_ptr,
-                                  _window_columns(win, c_q, k_mask, t, T, W, KC, KCP), _window_columns(win, c_k, k_mask, t, T, W, KC, KCP),
-                                  _window_columns(win, c_v, v_mask, t, T, W, KC, KCP), _conv_weights(cw_ptr, c_q, k_mask, KC, KCP),
+                                  _window_columns(win, c_q, k_mask, t, T, WC, WW, KC, KCP), _window_columns(win, c_k, k_mask, t, T, WC, WW, KC, KCP),
+                                  _window_columns(win, c_v, v_mask, t, T, WC, WW, KC, KCP), _conv_weights(cw_ptr, c_q, k_mask, KC, KCP),
                                   _conv_weights(cw_ptr, c_k, k_mask, KC, KCP), _conv_weights(cw_ptr, c_v, v_mask, KC, KCP),
                                   decay, beta, v_mask, offs_v, tile, tile_mask, scale, DK, ROUND, RECORDS)
 
     @triton.jit
     def _gated_delta_conv_kernel(
         win_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, start_ptr, hist_ptr, conv_ptr,
-        T, H, DV, HIST_T, C, W, KD, REP, scale, AB_ROW,
+        T, H, DV, HIST_T, C, WB, WC, WW, KD, REP, scale, AB_ROW,
         DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr, RECORDS: tl.constexpr,
     ):
         """`_gated_delta_kernel` computing its own inputs: program (batch*head, dv block) reads
-        the conv window [B, C, W = KC-1+T] (channels: q [0, KD), k [KD, 2KD), v [2KD, C)),
+        the conv window [B, C, KC-1+T] (channels: q [0, KD), k [KD, 2KD), v [2KD, C); element
+        (b, c, w) at b WB + c WC + w WW: channels last, as `qfd.models.gdn` builds it, or not),
         conv weights [C, KC], raw a/b [B, T, H] (rows AB_ROW apart: views of the fused
         projection's output), A_log/dt_bias [H]; value head h reads key
         head h // REP. It also writes the new conv state [B, C, KC-1] (the window's last KC-1
@@ -202,20 +203,20 @@ if _HAVE_TRITON:
         program of that key head."""
         bh = tl.program_id(0)
         vb = tl.program_id(1)
-        b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win, c_q, c_k, c_v = _window_program(win_ptr, bh, vb, H, DV, C, W, KD, REP, DK, BV)
+        b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win, c_q, c_k, c_v = _window_program(win_ptr, bh, vb, H, DV, WB, KD, REP, DK, BV)
         neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
         state_off = bh * DK * DV
         state = tl.load(s_ptr + state_off + tile, mask=tile_mask, other=0.0)
         tl.store(start_ptr + state_off + tile, state, mask=tile_mask)
         for t in range(T):
-            state = _conv_token(state, t, b, h, vb, T, H, DV, HIST_T, AB_ROW, W, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
+            state = _conv_token(state, t, b, h, vb, T, H, DV, HIST_T, AB_ROW, WC, WW, win, cw_ptr, a_ptr, b_ptr, o_ptr, hist_ptr, c_q, c_k, c_v,
                                 k_mask, v_mask, offs_v, tile, tile_mask, neg_a, dt_bias, scale, DK, KC, KCP, ROUND, RECORDS)
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
-        _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
+        _save_conv_state(conv_ptr, win, b, h, vb, C, WC, WW, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
 
     @triton.jit
-    def _window_program(win_ptr, bh, vb, H, DV, C, W, KD, REP, DK: tl.constexpr, BV: tl.constexpr):
+    def _window_program(win_ptr, bh, vb, H, DV, WB, KD, REP, DK: tl.constexpr, BV: tl.constexpr):
         """What a (batch*head, dv block) program of a conv-window step kernel reads: batch b, value
         head h (key head h // REP), the k/v offsets and masks, its [DK, BV] state tile's offsets and
         mask, its batch's window and its q/k/v channels (q [0, KD), k [KD, 2KD), v [2KD, C))."""
@@ -228,20 +229,20 @@ if _HAVE_TRITON:
         tile = offs_k[:, None] * DV + offs_v[None, :]
         tile_mask = k_mask[:, None] & v_mask[None, :]
         c_q = kh * DK + offs_k
-        return b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win_ptr + b * C * W, c_q, KD + c_q, 2 * KD + h * DV + offs_v
+        return b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win_ptr + b * WB, c_q, KD + c_q, 2 * KD + h * DV + offs_v
 
     @triton.jit
-    def _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC: tl.constexpr, KCP: tl.constexpr):
+    def _save_conv_state(conv_ptr, win, b, h, vb, C, WC, WW, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC: tl.constexpr, KCP: tl.constexpr):
         """The conv state after a T-token step: the window's last KC-1 columns, for the program's
         v channels, and for its key head's q/k channels by the first program of that key head."""
         taps = tl.arange(0, KCP)
         keep = (taps < KC - 1)[None, :]
         conv = conv_ptr + b * C * (KC - 1)
-        tl.store(conv + c_v[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_v[:, None] * W + T + taps[None, :], mask=v_mask[:, None] & keep), mask=v_mask[:, None] & keep)
+        tl.store(conv + c_v[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_v[:, None] * WC + (T + taps[None, :]) * WW, mask=v_mask[:, None] & keep), mask=v_mask[:, None] & keep)
         if (h % REP == 0) & (vb == 0):
             qk_mask = k_mask[:, None] & keep
-            tl.store(conv + c_q[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_q[:, None] * W + T + taps[None, :], mask=qk_mask), mask=qk_mask)
-            tl.store(conv + c_k[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_k[:, None] * W + T + taps[None, :], mask=qk_mask), mask=qk_mask)
+            tl.store(conv + c_q[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_q[:, None] * WC + (T + taps[None, :]) * WW, mask=qk_mask), mask=qk_mask)
+            tl.store(conv + c_k[:, None] * (KC - 1) + taps[None, :], tl.load(win + c_k[:, None] * WC + (T + taps[None, :]) * WW, mask=qk_mask), mask=qk_mask)
 
 
 if _HAVE_TRITON:
@@ -249,7 +250,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _gated_delta_conv_prefetch_kernel(
         win_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, start_ptr, hist_ptr, conv_ptr,
-        T, H, DV, HIST_T, C, W, KD, REP, scale, AB_ROW,
+        T, H, DV, HIST_T, C, WB, WC, WW, KD, REP, scale, AB_ROW,
         DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr, RECORDS: tl.constexpr, TP: tl.constexpr,
     ):
         """`_gated_delta_conv_kernel` (same arguments, results and float32 ops; TP: T rounded up
@@ -259,7 +260,7 @@ if _HAVE_TRITON:
         compiler cannot prove they do not alias), so their latency overlaps token t's work."""
         bh = tl.program_id(0)
         vb = tl.program_id(1)
-        b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win, c_q, c_k, c_v = _window_program(win_ptr, bh, vb, H, DV, C, W, KD, REP, DK, BV)
+        b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win, c_q, c_k, c_v = _window_program(win_ptr, bh, vb, H, DV, WB, KD, REP, DK, BV)
         neg_a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
         dt_bias = tl.load(dtb_ptr + h).to(tl.float32)
         w_q = _conv_weights(cw_ptr, c_q, k_mask, KC, KCP)
@@ -267,22 +268,22 @@ if _HAVE_TRITON:
         w_v = _conv_weights(cw_ptr, c_v, v_mask, KC, KCP)
         offs_t = tl.arange(0, TP)
         decays, betas = _all_gates(a_ptr, b_ptr, b, h, T, AB_ROW, offs_t, neg_a, dt_bias, ROUND)
-        x_q = _window_columns(win, c_q, k_mask, 0, T, W, KC, KCP)
-        x_k = _window_columns(win, c_k, k_mask, 0, T, W, KC, KCP)
-        x_v = _window_columns(win, c_v, v_mask, 0, T, W, KC, KCP)
+        x_q = _window_columns(win, c_q, k_mask, 0, T, WC, WW, KC, KCP)
+        x_k = _window_columns(win, c_k, k_mask, 0, T, WC, WW, KC, KCP)
+        x_v = _window_columns(win, c_v, v_mask, 0, T, WC, WW, KC, KCP)
         state_off = bh * DK * DV
         state = tl.load(s_ptr + state_off + tile, mask=tile_mask, other=0.0)
         tl.store(start_ptr + state_off + tile, state, mask=tile_mask)
         for t in range(T):
             # token t+1's columns (none after the last token), in flight during token t
-            next_q = _window_columns(win, c_q, k_mask, t + 1, T, W, KC, KCP)
-            next_k = _window_columns(win, c_k, k_mask, t + 1, T, W, KC, KCP)
-            next_v = _window_columns(win, c_v, v_mask, t + 1, T, W, KC, KCP)
+            next_q = _window_columns(win, c_q, k_mask, t + 1, T, WC, WW, KC, KCP)
+            next_k = _window_columns(win, c_k, k_mask, t + 1, T, WC, WW, KC, KCP)
+            next_v = _window_columns(win, c_v, v_mask, t + 1, T, WC, WW, KC, KCP)
             state = _conv_token_loaded(state, t, b, h, vb, T, H, DV, HIST_T, o_ptr, hist_ptr, x_q, x_k, x_v, w_q, w_k, w_v,
                                        _pick(decays, offs_t, t), _pick(betas, offs_t, t), v_mask, offs_v, tile, tile_mask, scale, DK, ROUND, RECORDS)
             x_q, x_k, x_v = next_q, next_k, next_v
         tl.store(s_ptr + state_off + tile, state, mask=tile_mask)
-        _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
+        _save_conv_state(conv_ptr, win, b, h, vb, C, WC, WW, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
 
     @triton.jit
     def _conv_weights(cw_ptr, chan, chan_mask, KC: tl.constexpr, KCP: tl.constexpr):
@@ -291,13 +292,13 @@ if _HAVE_TRITON:
         return tl.load(cw_ptr + chan[:, None] * KC + taps[None, :], mask=chan_mask[:, None] & (taps < KC)[None, :], other=0.0).to(tl.float32)
 
     @triton.jit
-    def _window_columns(win, chan, chan_mask, t, T, W, KC: tl.constexpr, KCP: tl.constexpr):
+    def _window_columns(win, chan, chan_mask, t, T, WC, WW, KC: tl.constexpr, KCP: tl.constexpr):
         """The window columns token t's conv reads for channels `chan`: [channels, KCP] in the
         window's dtype (converted at use: half the registers while in flight for 16-bit
         windows), all zero without a load for t >= T (the prefetch after the last token)."""
         taps = tl.arange(0, KCP)
         mask = chan_mask[:, None] & (taps < KC)[None, :] & (t < T)
-        return tl.load(win + chan[:, None] * W + t + taps[None, :], mask=mask, other=0.0)
+        return tl.load(win + chan[:, None] * WC + (t + taps[None, :]) * WW, mask=mask, other=0.0)
 
     @triton.jit
     def _all_gates(a_ptr, b_ptr, b, h, T, AB_ROW, offs_t, neg_a, dt_bias, ROUND: tl.constexpr):
@@ -381,11 +382,11 @@ def gated_delta_conv_step(window: torch.Tensor, conv_weight: torch.Tensor, a: to
         from qfd.kernels import gdn_verify_triton  # (it builds on this module's helpers)
 
         if gdn_verify_triton.takes(T) and not records:  # the tokens in parallel (WY form), not one after another
-            gdn_verify_triton.launch(window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias, out, state, start, history, conv_state,
+            gdn_verify_triton.launch(window, conv_weight.contiguous(), a_, b_, A_log, dt_bias, out, state, start, history, conv_state,
                                      k_heads, a_.stride(1))
             return out
-        args = (window.contiguous(), conv_weight.contiguous(), a_, b_, A_log, dt_bias, out, state, start, history, conv_state,
-                T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, a_.stride(1))
+        args = (window, conv_weight.contiguous(), a_, b_, A_log, dt_bias, out, state, start, history, conv_state,
+                T, H, dv, history.shape[1], C, *window.stride(), k_heads * dk, H // k_heads, dk**-0.5, a_.stride(1))
         meta = dict(DK=dk, BV=BLOCK_V, KC=kc, KCP=triton.next_power_of_2(kc), ROUND=window.dtype != torch.float32, RECORDS=records, num_warps=NUM_WARPS)
         grid = (B * H, triton.cdiv(dv, BLOCK_V))
         if PREFETCH and T <= PREFETCH_MAX_TOKENS:  # (read at each call: the bench and tests switch it)

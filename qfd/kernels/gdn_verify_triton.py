@@ -53,16 +53,16 @@ def takes(T: int) -> bool:
 if _HAVE_TRITON:
 
     @triton.jit
-    def _conv_tile(win_ptr, cw_ptr, chan, chan_mask, offs_t, t_mask, W, KC: tl.constexpr, ROUND: tl.constexpr):
+    def _conv_tile(win_ptr, cw_ptr, chan, chan_mask, offs_t, t_mask, WC, WW, KC: tl.constexpr, ROUND: tl.constexpr):
         """SiLU(depthwise conv) of every token of the step for channels `chan`: a [TP, len(chan)]
         tile, rounded like `gdn_triton._silu_of_conv` (to the window's dtype after the conv and
         after the SiLU); rows past the step's tokens are 0."""
-        # built as [channels, tokens] so each load reads a channel's window columns contiguously
+        # built as [channels, tokens]: a channels-last window's loads are contiguous along the channels
         mask = chan_mask[:, None] & t_mask[None, :]
         y = tl.zeros((chan.shape[0], offs_t.shape[0]), dtype=tl.float32)
         for i in tl.static_range(KC):
             w = tl.load(cw_ptr + chan * KC + i, mask=chan_mask, other=0.0).to(tl.float32)
-            x = tl.load(win_ptr + chan[:, None] * W + offs_t[None, :] + i, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(win_ptr + chan[:, None] * WC + (offs_t[None, :] + i) * WW, mask=mask, other=0.0).to(tl.float32)
             y += x * w[:, None]
         if ROUND:
             y = y.to(win_ptr.dtype.element_ty).to(tl.float32)
@@ -112,7 +112,7 @@ if _HAVE_TRITON:
     @triton.jit
     def _gated_delta_chunk_kernel(
         win_ptr, cw_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, o_ptr, s_ptr, start_ptr, hist_ptr, conv_ptr,
-        T, H, DV, HIST_T, C, W, KD, REP, scale, AB_ROW,
+        T, H, DV, HIST_T, C, WB, WC, WW, KD, REP, scale, AB_ROW,
         DK: tl.constexpr, BV: tl.constexpr, TP: tl.constexpr, FACTORS: tl.constexpr, KC: tl.constexpr, KCP: tl.constexpr, ROUND: tl.constexpr,
     ):
         """Program (batch*head, dv block), the arguments of `_gated_delta_conv_kernel`; TP: the
@@ -120,14 +120,14 @@ if _HAVE_TRITON:
         log2(TP) - 1."""
         bh = tl.program_id(0)
         vb = tl.program_id(1)
-        b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win, c_q, c_k, c_v = _window_program(win_ptr, bh, vb, H, DV, C, W, KD, REP, DK, BV)
+        b, h, offs_k, offs_v, k_mask, v_mask, tile, tile_mask, win, c_q, c_k, c_v = _window_program(win_ptr, bh, vb, H, DV, WB, KD, REP, DK, BV)
         offs_t = tl.arange(0, TP)
         t_mask = offs_t < T
 
         # the step's inputs, all tokens at once (as conv_and_gates)
-        q = _conv_tile(win, cw_ptr, c_q, k_mask, offs_t, t_mask, W, KC, ROUND)  # [TP, DK]
-        k = _conv_tile(win, cw_ptr, c_k, k_mask, offs_t, t_mask, W, KC, ROUND)
-        v = _conv_tile(win, cw_ptr, c_v, v_mask, offs_t, t_mask, W, KC, ROUND)  # [TP, BV]
+        q = _conv_tile(win, cw_ptr, c_q, k_mask, offs_t, t_mask, WC, WW, KC, ROUND)  # [TP, DK]
+        k = _conv_tile(win, cw_ptr, c_k, k_mask, offs_t, t_mask, WC, WW, KC, ROUND)
+        v = _conv_tile(win, cw_ptr, c_v, v_mask, offs_t, t_mask, WC, WW, KC, ROUND)  # [TP, BV]
         q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]  # prepare_qk
         k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
         ab = (b * T + offs_t) * AB_ROW + h
@@ -153,7 +153,7 @@ if _HAVE_TRITON:
         tl.store(o_ptr + row[:, None] * DV + offs_v[None, :], out, mask=t_mask[:, None] & v_mask[None, :])
         s_t = _write_states(s0, k, u, ratio, gamma, offs_t, hist_ptr, b, h, H, T, HIST_T, DV, tile, tile_mask, DK, TP)
         tl.store(s_ptr + state_off + tile, s_t, mask=tile_mask)  # padded tokens leave it as after token T-1
-        _save_conv_state(conv_ptr, win, b, h, vb, C, W, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
+        _save_conv_state(conv_ptr, win, b, h, vb, C, WC, WW, T, REP, c_q, c_k, c_v, k_mask, v_mask, KC, KCP)
 
 
 if _HAVE_TRITON:
@@ -223,14 +223,14 @@ def launch_tree(q, k, v, g, beta, parents, out, state, history) -> None:
 def launch(window, conv_weight, a, b, A_log, dt_bias, out, state, start, history, conv_state, k_heads: int, ab_row: int) -> None:
     """`_gated_delta_chunk_kernel` over the step (`gdn_triton.gated_delta_conv_step`'s tensors;
     a, b already in the row layout `ab_row` apart)."""
-    B, C, W = window.shape
+    B, C, _ = window.shape
     T, H = a.shape[1], a.shape[2]
     dk, dv = state.shape[-2], state.shape[-1]
     kc = conv_weight.shape[-1]
     tp, factors = _tokens_tile(T)
     _gated_delta_chunk_kernel[(B * H, triton.cdiv(dv, BLOCK_V))](
         window, conv_weight, a, b, A_log, dt_bias, out, state, start, history, conv_state,
-        T, H, dv, history.shape[1], C, W, k_heads * dk, H // k_heads, dk**-0.5, ab_row,
+        T, H, dv, history.shape[1], C, *window.stride(), k_heads * dk, H // k_heads, dk**-0.5, ab_row,
         DK=dk, BV=BLOCK_V, TP=tp, FACTORS=factors, KC=kc, KCP=triton.next_power_of_2(kc),
         ROUND=window.dtype != torch.float32, num_warps=NUM_WARPS,
     )

@@ -23,6 +23,11 @@ scales multiply a per-group partial sum, not every weight. fp32 accumulation thr
 Split-K (SPLIT_K > 1): each program writes its fp32 partial tile to a workspace, bumps a
 per-output-tile counter; the last program of a tile sums the partials in split order
 (deterministic) and writes y, then resets the counter: one launch, no memset, graph-safe.
+
+GATED (an MLP's gate/up pair, `Int4Linear.gated_pair`): the weight's outputs interleave gate
+and up column by column (`interleave_columns`), so every tile holds both halves of its outputs
+and its store writes silu(gate) * up [M, N / 2] (`_store_y`): the MLP's activation costs no
+kernel of its own. Static SASS (bench/sass_fusions.py): the main loops are unchanged.
 """
 
 from __future__ import annotations
@@ -154,13 +159,27 @@ def dequantize_packed(packed: TritonInt4Weight, dtype: torch.dtype = torch.float
     return ((u - z) * s).to(dtype)
 
 
-def reference_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """Pure-torch int4_matmul: float32 math on the packed layout, result in x.dtype."""
     w = dequantize_packed(packed).to(x.device)
     y = x.to(torch.float32) @ w.t()
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.to(x.dtype)
+    return silu_mul_interleaved(y.to(x.dtype)) if gated else y.to(x.dtype)
+
+
+def interleave_columns(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[..., N] and [..., N] -> [..., 2N] with column 2i = gate's i, 2i + 1 = up's i: a gate/up
+    pair's packed buffers (outputs along the last dim) for a GATED product."""
+    return torch.stack([gate, up], dim=-1).flatten(-2)
+
+
+def silu_mul_interleaved(y: torch.Tensor) -> torch.Tensor:
+    """A GATED product's epilogue in torch: y [..., 2N] (gate and up interleaved) -> silu(gate) *
+    up [..., N], in float32 from y's rounded values, rounded once (as the kernel, and as
+    inductor fuses an unfused MLP's silu * mul)."""
+    gate, up = y[..., 0::2].to(torch.float32), y[..., 1::2].to(torch.float32)
+    return (torch.nn.functional.silu(gate) * up).to(y.dtype)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -191,15 +210,33 @@ if _HAVE_TRITON:
                                           dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
+    def _store_y(val, out_m, offs_n, out_mask, y_ptr, stride_ym, GATED: tl.constexpr):
+        """Store an fp32 tile val [rows, BN] into y. GATED: the tile's columns interleave a gate and
+        an up projection (2i, 2i + 1 -> output i, `interleave_columns`) and y [rows, N / 2] gets
+        silu(gate) * up, each rounded to y's dtype first as an unfused product would store them:
+        the MLP's activation without a kernel of its own."""
+        y_dtype = y_ptr.dtype.element_ty
+        if GATED:
+            ROWS: tl.constexpr = val.shape[0]
+            HALF: tl.constexpr = val.shape[1] // 2
+            gate, up = tl.split(tl.reshape(val, (ROWS, HALF, 2)))
+            gate = gate.to(y_dtype).to(tl.float32)
+            up = up.to(y_dtype).to(tl.float32)
+            val = gate / (1.0 + tl.exp(-gate)) * up
+            offs_n = tl.split(tl.reshape(offs_n, (HALF, 2)))[0] // 2
+            out_mask = tl.split(tl.reshape(out_mask.to(tl.int8), (ROWS, HALF, 2)))[0] != 0
+        tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], val.to(y_dtype), mask=out_mask)
+
+    @triton.jit
     def _write_out(out, out_m, offs_n, out_mask, n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, stride_ym, M, N, tile_id, pid_k,
-                   SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """Store a program's fp32 tile `out` [rows, BN] (+ bias) into y. Split-K: write the partial
-        to the workspace, bump the tile's counter; the last split of the tile sums the partials
-        in split order (deterministic), writes y and resets the counter for the next launch."""
+                   SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+        """Store a program's fp32 tile `out` [rows, BN] (+ bias) into y (`_store_y`). Split-K: write
+        the partial to the workspace, bump the tile's counter; the last split of the tile sums the
+        partials in split order (deterministic), writes y and resets the counter for the next launch."""
         if SPLIT_K == 1:
             if HAS_BIAS:
                 out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=out_mask)
+            _store_y(out, out_m, offs_n, out_mask, y_ptr, stride_ym, GATED)
         else:
             ws_tile = ws_ptr + out_m[:, None] * N + offs_n[None, :]
             tl.store(ws_tile + pid_k * M * N, out, mask=out_mask)
@@ -211,7 +248,7 @@ if _HAVE_TRITON:
                     total += tl.load(ws_tile + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], total.to(y_ptr.dtype.element_ty), mask=out_mask)
+                _store_y(total, out_m, offs_n, out_mask, y_ptr, stride_ym, GATED)
                 tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next launch
 
     @triton.jit
@@ -267,7 +304,7 @@ if _HAVE_TRITON:
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
         DOT_IEEE: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr, PDL: tl.constexpr, W_FIRST: tl.constexpr,
-        EVEN_K: tl.constexpr, pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128,
+        EVEN_K: tl.constexpr, pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128, GATED: tl.constexpr = False,
     ):
         """One program: rows [BM*pid_m, +BM) x outputs [BN*pid_n, +BN) x K tiles of split pid_k.
 
@@ -372,7 +409,7 @@ if _HAVE_TRITON:
             out_m = pid_m + tl.arange(0, 1)
             out_mask = (out_m < M)[:, None] & n_mask[None, :]
         _write_out(out, out_m, offs_n, out_mask, n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, stride_ym, M, N,
-                   pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
+                   pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS, GATED)
 
 
 
@@ -410,7 +447,7 @@ if _HAVE_TRITON:
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr, MAGIC_BITS: tl.constexpr, MAGIC: tl.constexpr,
         EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-        pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128,
+        pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128, GATED: tl.constexpr = False,
     ):
         """The tensor-core path for 16-bit x (bf16 / fp16), built from its static SASS (sm_90,
         compiled offline, bench/sass_int4.py):
@@ -473,7 +510,7 @@ if _HAVE_TRITON:
                 if (32 * (j + 1)) % GROUP == 0 or j == 3:  # group (or tile) ends: scale it
                     acc += part * s[:, None]
         _write_out(tl.trans(acc), offs_m, offs_n, m_mask[:, None] & n_mask[None, :], n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, stride_ym, M, N,
-                   pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS)
+                   pid_m * tl.num_programs(0) + pid_n, pid_k, SPLIT_K, HAS_BIAS, GATED)
 
 
 if _HAVE_TRITON:
@@ -485,6 +522,7 @@ if _HAVE_TRITON:
         GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
         BN: tl.constexpr, TILES: tl.constexpr, SPLIT_K: tl.constexpr, OFFSET_SUM: tl.constexpr, PDL: tl.constexpr,
         USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, pf_ptr, pf_lines, PREFETCH: tl.constexpr = False, PF: tl.constexpr = 128,
+        GATED: tl.constexpr = False,
     ):
         """One row (decode): outputs [BN*pid_n, +BN) x the K steps of split pid_k, a step being
         TILES whole K tiles (16*TILES contiguous packed rows: one [16*TILES, BN] load). Needs
@@ -563,7 +601,7 @@ if _HAVE_TRITON:
             out = out - corr
         row = tl.arange(0, 1)
         _write_out(out[None, :], row, offs_n, (row < 1)[:, None] & n_mask[None, :], n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, 1, N,
-                   pid_n, pid_k, SPLIT_K, HAS_BIAS)
+                   pid_n, pid_k, SPLIT_K, HAS_BIAS, GATED)
 
 
 @dataclass(frozen=True)
@@ -708,39 +746,44 @@ def _prefetch_args(prefetch: torch.Tensor | None, fallback: torch.Tensor, num_wa
 
 
 def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None, config: KernelConfig | None = None,
-                prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                prefetch: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """y [..., N] = x [..., K] @ w_hat.T (+ bias), in x.dtype (bf16/fp16/fp32), fp32 accumulation.
     prefetch: the next product's packed weights, which the programs ask the L2 for as they start
-    (QFD_INT4_PREFETCH; a hint, the result does not depend on it)."""
-    if not _HAVE_TRITON:
-        raise RuntimeError("int4_matmul: triton is not installed (check available() first)")
+    (QFD_INT4_PREFETCH; a hint, the result does not depend on it). gated: the weight's outputs
+    interleave a gate and an up projection (`interleave_columns`); y [..., N / 2] is then
+    silu(gate) * up, computed as the tile is stored (`silu_mul_interleaved` in torch)."""
     k, n = packed.in_features, packed.out_features
     if x.shape[-1] != k:
         raise ValueError(f"int4_matmul: x has {x.shape[-1]} features, the weight takes {k}")
+    if gated and n % 2:
+        raise ValueError(f"int4_matmul: a gated product needs an even number of outputs, got {n}")
+    if not _HAVE_TRITON:
+        raise RuntimeError("int4_matmul: triton is not installed (check available() first)")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    n_out = n // 2 if gated else n
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     if m == 0:
-        return y.reshape(*lead, n)
+        return y.reshape(*lead, n_out)
     cfg = config or pick_config(m, n, k, x.device)
     if cfg.tiles and m == 1 and packed.group_size % TILE_K == 0:
-        return _gemv(x2, packed, bias, cfg, y, prefetch).reshape(*lead, n)
+        return _gemv(x2, packed, bias, cfg, y, prefetch, gated).reshape(*lead, n_out)
     bm = cfg.block_m if cfg.use_dot else 1
     grid_n = -(-n // cfg.block_n)
     grid_m = -(-m // bm)
     split = cfg.split_k
     if grid_n * grid_m > packed.counters.numel():
         split = 1
-    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y  # partials: all N
     # the two tensor-core kernels' common operands and specializations
     operands = (x2, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
                 bias if bias is not None else packed.scales, y, ws, packed.counters,
                 m, n, k, packed.qweight.shape[0] // 16, x2.stride(0), y.stride(0))
     shared = dict(GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
-                  BM=bm, BN=cfg.block_n, SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  BM=bm, BN=cfg.block_n, SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, GATED=gated,
                   **_prefetch_args(prefetch, packed.qweight, cfg.num_warps))
     if cfg.use_dot and (MMA16 if cfg.mma16 is None else cfg.mma16) and x.dtype in _MAGIC:
         magic_bits, magic_value = _MAGIC[x.dtype]
@@ -748,7 +791,7 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
             *operands, **shared, MAGIC_BITS=magic_bits, MAGIC=magic_value,
             EVEN_M=m % bm == 0, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % TILE_K == 0, USE_ASM=not interpreting(),
         )
-        return y.reshape(*lead, n)
+        return y.reshape(*lead, n_out)
     magic = cfg.use_dot and (MAGIC_DOT if cfg.magic is None else cfg.magic) and x.dtype in _MAGIC
     magic_bits, magic_value = _MAGIC[x.dtype] if magic else (0, 0.0)
     pdl = _pdl(cfg, x)
@@ -758,12 +801,12 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
         MAGIC_BITS=magic_bits, MAGIC=magic_value, PDL=pdl, W_FIRST=w_first, EVEN_K=k % TILE_K == 0,
         **({"launch_pdl": True} if pdl else {}),
     )
-    return y.reshape(*lead, n)
+    return y.reshape(*lead, n_out)
 
 
 def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, cfg: KernelConfig, y: torch.Tensor,
-          prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """One row through `_int4_gemv_kernel` into y [1, N]."""
+          prefetch: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """One row through `_int4_gemv_kernel` into y [1, N] (gated: [1, N / 2])."""
     n = packed.out_features
     grid_n = -(-n // cfg.block_n)
     steps = -(-(packed.qweight.shape[0] // 16) // cfg.tiles)
@@ -775,7 +818,7 @@ def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, 
         bias if bias is not None else packed.scales, y, ws, packed.counters,
         n, packed.in_features, packed.qweight.shape[0] // 16,
         GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
-        BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, OFFSET_SUM=cfg.offset_sum, PDL=pdl, USE_ASM=not interpreting(),
+        BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, OFFSET_SUM=cfg.offset_sum, PDL=pdl, USE_ASM=not interpreting(), GATED=gated,
         EVEN_K=packed.in_features % TILE_K == 0 and (packed.qweight.shape[0] // 16) % cfg.tiles == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_prefetch_args(prefetch, packed.qweight, cfg.num_warps),
         **({"launch_pdl": True} if pdl else {}),
@@ -787,7 +830,7 @@ def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, 
 
 @torch.library.custom_op("qfd::int4_mm", mutates_args=())
 def int4_mm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, counters: torch.Tensor,
-               bias: torch.Tensor | None, group_size: int, in_features: int, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None, group_size: int, in_features: int, prefetch: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """`int4_matmul` as an opaque torch op, so torch.compile keeps it as one call (a GEMM has
     nothing to fuse) instead of tracing into Triton's launcher. The split-K `counters` are
     written during the launch but always return to zero, so to every caller the op has no
@@ -796,11 +839,11 @@ def int4_mm_op(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     same layout, float32 math."""
     packed = TritonInt4Weight(qweight, scales, zeros, counters, group_size, in_features, qweight.shape[1])
     if not runs_on(x):
-        return reference_matmul(x, packed, bias)
-    return int4_matmul(x, packed, bias, prefetch=prefetch)
+        return reference_matmul(x, packed, bias, gated)
+    return int4_matmul(x, packed, bias, prefetch=prefetch, gated=gated)
 
 
 @int4_mm_op.register_fake
-def _int4_mm_fake(x, qweight, scales, zeros, counters, bias, group_size, in_features, prefetch=None):
-    return x.new_empty(*x.shape[:-1], qweight.shape[1])
+def _int4_mm_fake(x, qweight, scales, zeros, counters, bias, group_size, in_features, prefetch=None, gated=False):
+    return x.new_empty(*x.shape[:-1], qweight.shape[1] // 2 if gated else qweight.shape[1])
 

@@ -250,7 +250,7 @@ class TargetCache:
         if not (ONE_LAUNCH_ROLLBACK and window is not None and runs_on(first.recurrent) and first.recurrent.shape[0] == 1
                 and first.conv.element_size() in (2, 4) and window.dtype == first.conv.dtype):
             return False
-        if any(s.inputs is not None or s.window is None or s.steps != first.steps or s.window.shape != window.shape or not s.window.is_contiguous()
+        if any(s.inputs is not None or s.window is None or s.steps != first.steps or s.window.shape != window.shape or s.window.stride() != window.stride()
                or s.from_records != first.from_records for s in states) or (first.from_records and not first.records_from_kernel()):
             return False
         # the table of buffer addresses: one per set of windows (a graphed step reuses its own)

@@ -20,6 +20,12 @@ dense `nn.Linear`/qfd `Linear` (-> one qfd `Linear`, its CPU few-row path includ
 dtype and device. Anything else (tinygemm INT4 layouts, mixed kinds) is left unfused, silently:
 the unfused forward is always there.
 
+A gate/up pair of Triton-mode `Int4Linear`s fuses further (`Int4Linear.gated_pair`): its
+columns interleave gate and up, and the product's kernel stores silu(gate) * up as it writes
+each tile - the MLP's activation kernel and its [.., 2 x intermediate] round trip are gone, and
+the MLP's forward passes the product's output straight to down_proj. QFD_GATED_MLP=0 keeps the
+plain concatenation and a separate activation.
+
 `qfd.models.loading.load_target` fuses by default (`fuse=False` keeps the modules);
 QFD_FUSE=0 in the environment turns fusion off everywhere (`fuse_projections` returns 0).
 """
@@ -52,6 +58,11 @@ def fusion_enabled() -> bool:
     return os.environ.get("QFD_FUSE", "1").strip() != "0"
 
 
+def gated_mlp_enabled() -> bool:
+    """False when the environment says QFD_GATED_MLP=0 (module docstring)."""
+    return os.environ.get("QFD_GATED_MLP", "1").strip() != "0"
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Fuse every fusable projection group of `model` in place; returns how many groups fused
     (0 under QFD_FUSE=0). Idempotent: a parent already fused is skipped."""
@@ -66,7 +77,8 @@ def fuse_projections(model: nn.Module) -> int:
         if getattr(parent, fused_name, None) is not None or not all(hasattr(parent, m) for m in members):
             continue
         parts = [getattr(parent, m) for m in members]
-        fused = concatenated(parts)
+        fused = gated_pair(parts) if fused_name == "gate_up_proj" and gated_mlp_enabled() else None
+        fused = fused or concatenated(parts)
         if fused is None:
             continue
         setattr(parent, fused_name, fused)
@@ -75,6 +87,15 @@ def fuse_projections(model: nn.Module) -> int:
             delattr(parent, m)
         fused_groups += 1
     return fused_groups
+
+
+def gated_pair(parts: list[nn.Module]) -> nn.Module | None:
+    """One module returning silu(gate) * up for a gate/up pair of INT4 linears, or None."""
+    from qfd.quant.int4_linear import Int4Linear
+
+    if all(type(p) is Int4Linear for p in parts):
+        return Int4Linear.gated_pair(*parts)
+    return None
 
 
 def concatenated(parts: list[nn.Module]) -> nn.Module | None:

@@ -19,6 +19,8 @@ Both work in float32, as transformers' reference kernels do.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,6 +116,10 @@ def tree_structure(ancestors: torch.Tensor, kernel: int) -> tuple[torch.Tensor, 
 
 
 CHUNK_KERNEL = True  # bench_steps.py turns it off to time the prefill as before, side by side
+# A cached forward's conv window in channels-last memory (`GatedDeltaNet._window`);
+# QFD_GDN_WINDOW=channels_first builds it channels first, as before the twenty-first session
+# (kept for side-by-side runs: bench/gpu_kernels_ab.sh).
+CHANNELS_LAST_WINDOW = os.environ.get("QFD_GDN_WINDOW", "channels_last") != "channels_first"
 
 
 def chunked_gated_delta(q, k, v, g, beta, state, chunk_size: int = 64):
@@ -271,11 +277,16 @@ class GatedDeltaNet(nn.Module):
 
     def _window(self, mixed: torch.Tensor, state) -> torch.Tensor:
         """The conv's input [B, C, K-1+T]: the conv state (zeros for a fresh sequence), then the
-        T tokens' q/k/v channels (`mixed` [B, T, C])."""
-        mixed = mixed.transpose(1, 2)
+        T tokens' q/k/v channels (`mixed` [B, T, C]). Through a cache its memory is channels last
+        ([B, K-1+T, C] transposed, a view): the copy that builds it then reads the projection's
+        rows and writes the window in runs along the channels - coalesced, where the
+        channels-first copy reads each token's channels C apart (H100: 3.7 us per layer and
+        16-token verify) - and the step kernels read each tap's channels contiguously."""
         if state is None:
-            return F.pad(mixed, (self.kernel - 1, 0))
-        return torch.cat([state.conv.to(mixed.dtype), mixed], dim=-1)
+            return F.pad(mixed.transpose(1, 2), (self.kernel - 1, 0))
+        if not CHANNELS_LAST_WINDOW:
+            return torch.cat([state.conv.to(mixed.dtype), mixed.transpose(1, 2)], dim=-1)
+        return torch.cat([state.conv.to(mixed.dtype).transpose(1, 2), mixed], dim=1).transpose(1, 2)
 
     def _output(self, core: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
         """Gated RMSNorm of the core output [B, T, H, dv] by z, then out_proj."""

@@ -312,6 +312,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        elif getattr(self.gate_up_proj, "gated", False):  # its kernel applies silu(gate) * up (qfd.models.fuse)
+            return self.down_proj(self.gate_up_proj(x))
         else:
             gate, up = torch.split(self.gate_up_proj(x), self.gate_up_sizes, dim=-1)
         return self.down_proj(F.silu(gate) * up)

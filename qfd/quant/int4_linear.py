@@ -193,12 +193,15 @@ class Int4Linear(nn.Module):
     # The next product's packed weights, asked of the L2 while this one runs (`link_prefetches`;
     # a plain attribute, not a buffer: it belongs to another module)
     prefetch_next: torch.Tensor | None = None
+    # A gate/up pair (`gated_pair`): outputs interleave gate and up, the forward returns
+    # silu(gate) * up [..., out_features / 2]
+    gated: bool = False
 
     def _triton_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         from qfd.kernels.int4_triton import int4_mm_op
 
         return int4_mm_op(x2, self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.bias, self.group_size, self.in_features,
-                          self.prefetch_next)
+                          self.prefetch_next, self.gated)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """w = (u - 8) * scale + zero, [out, in], from the kept nibbles (same formula as the kernel)."""
@@ -219,32 +222,57 @@ class Int4Linear(nn.Module):
             return dense_linear(x, self.weight_dense.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
+        one_row_tinygemm = self.mode == "triton" and x2.shape[0] == 1 and getattr(self, "one_row_packed", None) is not None
+        if self.mode == "triton" and not one_row_tinygemm and x2.shape[0] <= KERNEL_MAX_ROWS["triton"]:
+            y = self._triton_matmul(x2)  # gated: the kernel applied the activation
+        else:
+            y = self._other_matmul(x2, one_row_tinygemm)
+            if self.gated:
+                from qfd.kernels.int4_triton import silu_mul_interleaved
+
+                y = silu_mul_interleaved(y)
+        return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
+
+    def _other_matmul(self, x2: torch.Tensor, one_row_tinygemm: bool) -> torch.Tensor:
+        """x2 [M, in] @ w.T (+ bias) [M, out] outside the Triton kernel: the kernels' row limit
+        passed, tinygemm or the CPU kernel."""
         if x2.shape[0] > KERNEL_MAX_ROWS[self.mode]:
             # Triton mode: the dequant kernel's w_t [in, out] transposed back, a free view
             # (F.linear over it is the same cuBLAS call as x @ w_t)
-            w = self.dequantized_weight(self.dtype)
-            return nn.functional.linear(x2, w, self.bias).reshape(*shape[:-1], self.out_features).to(x.dtype)
-        one_row_tinygemm = self.mode == "triton" and x2.shape[0] == 1 and getattr(self, "one_row_packed", None) is not None
-        if self.mode == "triton" and not one_row_tinygemm:
-            return self._triton_matmul(x2).reshape(*shape[:-1], self.out_features).to(x.dtype)
+            return nn.functional.linear(x2, self.dequantized_weight(self.dtype), self.bias)
         if self.mode == "cpu_int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
         elif one_row_tinygemm:  # QFD_INT4_ONE_ROW=tinygemm: the second layout
             y = torch.ops.aten._weight_int4pack_mm(x2, self.one_row_packed, self.group_size, self.one_row_scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.group_size, self.scales_and_zeros)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
     @classmethod
-    def concatenated(cls, parts: "list[Int4Linear]") -> "Int4Linear | None":
+    def gated_pair(cls, gate: "Int4Linear", up: "Int4Linear") -> "Int4Linear | None":
+        """One Triton-mode Int4Linear for an MLP's gate and up projections whose forward returns
+        silu(gate) * up: the pair's buffers interleaved column by column
+        (`int4_triton.interleave_columns`), so the product's kernel applies the activation as it
+        stores each tile - no activation kernel, no [.., 2 x intermediate] round trip through
+        memory. None where they cannot pair (another mode, sizes, or what `concatenated` refuses)."""
+        if gate.mode != "triton" or up.mode != "triton" or gate.out_features != up.out_features:
+            return None
+        from qfd.kernels.int4_triton import interleave_columns
+
+        fused = cls.concatenated([gate, up], join=interleave_columns)
+        if fused is not None:
+            fused.gated = True
+        return fused
+
+    @classmethod
+    def concatenated(cls, parts: "list[Int4Linear]", join=None) -> "Int4Linear | None":
         """One Int4Linear computing the `parts`' outputs side by side (in order), for layers
         that read the same input (qfd.models.fuse); None when they cannot share one: another
         in_features / group size / dtype / device / mode, bias on some only, or a tinygemm
         mode (its tile-packed `packed` buffer cannot be cut along the outputs). "dequant"
         stacks `weight_dense` [out, in] along dim 0; "triton" its buffers along N, dim 1
-        (column n of each belongs to output n, see `pack_for_triton`): both exact."""
+        (column n of each belongs to output n, see `pack_for_triton`): both exact. `join`: how the
+        buffers combine along the outputs, torch.cat by default (`gated_pair` interleaves)."""
         first = parts[0]
         if first.mode not in ("dequant", "triton") or any((p.mode, p.in_features, p.group_size, p.dtype) != (first.mode, first.in_features, first.group_size, first.dtype) for p in parts):
             return None
@@ -260,7 +288,7 @@ class Int4Linear(nn.Module):
             kept = [(v.dtype, v.device, v.shape[:dim] + v.shape[dim + 1 :]) for v in values]
             if kept.count(kept[0]) != len(kept):
                 return None
-            buffers[name] = torch.cat(values, dim)
+            buffers[name] = torch.cat(values, dim) if join is None else join(*values)
         fused = cls.__new__(cls)  # no __init__: the parts are already quantized and packed
         nn.Module.__init__(fused)
         fused.out_features = sum(p.out_features for p in parts)
@@ -279,7 +307,8 @@ class Int4Linear(nn.Module):
         return fused.train(first.training)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, mode={self.mode}"
+        gated = ", gated (returns silu(gate) * up)" if self.gated else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, mode={self.mode}{gated}"
 
 
 def swap_int4_linears(model: nn.Module, qweights: dict[str, QuantizedWeight], allow_kernel: bool = True, kernel: str | None = None) -> nn.Module:
