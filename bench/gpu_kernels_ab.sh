@@ -25,10 +25,9 @@
 #                rollback_per_layer (fused, the GDN rollback as two eager copies per layer, the default before
 #                2026-12-07: QFD_GDN_ROLLBACK=per_layer), gdn_records (fused, a decode / verify recording
 #                each token's update instead of its state: QFD_GDN_HISTORY=records), gated_mlp_off (fused,
-#                the MLP's INT4 gate/up product stored plain and its activation a kernel of its own, the
-#                default before 2026-12-07's twenty-first session: QFD_GATED_MLP=0), window_channels_first (fused, the GDN
-#                conv window built channels first, the default before that session: QFD_GDN_WINDOW=channels_first),
-#                plain_mlp_channels_first_window (both of the last two: the steps as before that session)
+#                the MLP's INT4 gate/up product plain and its activation a kernel of its own also for one
+#                row, as before 2026-12-07's twenty-first session: QFD_GATED_MLP=0), window_channels_last
+#                (fused, the GDN conv window built channels last: QFD_GDN_WINDOW=channels_last)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks;
@@ -46,7 +45,7 @@ limit=${STEPS_FIRST_S:-$(( ${STEPS_S:-150} + 120 ))}
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=1 prefetch=0 rollback=one_launch history=states gated=1 window=channels_last
+    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=1 prefetch=0 rollback=one_launch history=states gated=1 window=channels_first
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
     [ "$variant" = gdn_chunk_verify ] && verify=chunk
@@ -60,8 +59,8 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = int4_prefetch ] && prefetch=1
     [ "$variant" = rollback_per_layer ] && rollback=per_layer
     [ "$variant" = gdn_records ] && history=records
-    case $variant in gated_mlp_off|plain_mlp_channels_first_window) gated=0 ;; esac
-    case $variant in window_channels_first|plain_mlp_channels_first_window) window=channels_first ;; esac
+    [ "$variant" = gated_mlp_off ] && gated=0
+    [ "$variant" = window_channels_last ] && window=channels_last
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"

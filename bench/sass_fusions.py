@@ -4,13 +4,14 @@
    `_store_y`): each served kernel form of the gate/up shape compiled with and without the
    epilogue - the main loop must not change, only the code after it.
 2. The Gated DeltaNet conv-step kernel reading its conv window channels first ([B, C, K-1+T]
-   memory) or channels last ([B, K-1+T, C] memory, as `GatedDeltaNet._window` builds it now):
-   its global loads by width, instructions and registers.
+   memory, the default) or channels last ([B, K-1+T, C] memory, `GatedDeltaNet._window` under
+   QFD_GDN_WINDOW=channels_last): its global loads by width, instructions and registers.
 
     python bench/sass_fusions.py [--arch 90] [--out sass_fusions.json]
 
 STATIC COUNTS, NOT TIMINGS: what the machine code issues; only a GPU run says what is faster
-(bench/gpu_kernels_ab.sh VARIANTS="fused plain_mlp_channels_first_window").
+(bench/gpu_kernels_ab.sh VARIANTS="fused gated_mlp_off window_channels_last"; docs/benchmarks.md,
+twenty-first session: the timings).
 """
 
 from __future__ import annotations

@@ -216,3 +216,22 @@ def test_fused_drafter_drafts_the_same(tmp_path):
     taps = torch.randn(1, 11, 2 * 64)
     with torch.no_grad():
         torch.testing.assert_close(run_drafter(fused, taps, 5, embed, head), run_drafter(plain, taps, 5, embed, head), rtol=1e-5, atol=1e-5)
+
+
+def test_a_gated_pair_activates_in_the_kernel_for_one_row_only(checkpoints, monkeypatch):
+    """`GATED_IN_KERNEL_MAX_ROWS`: a decode's gate/up product asks the kernel for silu(gate) * up;
+    a verify's runs the plain product and the activation in torch - the same result either way."""
+    from qfd.quant import int4_linear
+
+    model = _quantize(_unfused(checkpoints["qwen3_5"]), "triton", False)
+    mlp = model.model.layers[0].mlp
+    pair = int4_linear.Int4Linear.gated_pair(mlp.gate_proj, mlp.up_proj)
+    asked = []
+    real_op = int4_triton.int4_mm_op
+    monkeypatch.setattr(int4_triton, "int4_mm_op", lambda *args: asked.append(args[-1]) or real_op(*args))
+    for rows, in_kernel in ((1, True), (16, False)):
+        x = torch.randn(rows, model.config.hidden_size)
+        want = torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
+        asked.clear()
+        torch.testing.assert_close(pair(x), want, atol=1e-5, rtol=1e-5)
+        assert asked == [in_kernel]

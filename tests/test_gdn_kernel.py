@@ -121,6 +121,17 @@ def test_conv_kernel_matches_the_torch_layer_math(dtype, tol, channels_last, mon
     assert not kernels._FAILED  # the kernel ran (no torch fallback)
 
 
+class RecordedLaunch:
+    """kernel[grid] as the launcher writes it, noting the kernel's name in `launched`."""
+
+    def __init__(self, name, kernel, launched):
+        self.name, self.kernel, self.launched = name, kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
 def run_conv_kernel(prefetch, dtype, T, monkeypatch, channels_last=False):
     """The conv op's token-loop kernel with QFD_GDN_PREFETCH on or off on `conv_step_inputs`:
     (output, final state, start, history, conv state), the torch layer math's (output, final
@@ -131,17 +142,10 @@ def run_conv_kernel(prefetch, dtype, T, monkeypatch, channels_last=False):
     monkeypatch.setattr(kernels, "_FAILED", set())
     launched = []
 
-    class Recorded:  # kernel[grid] as the launcher writes it, noting the kernel's name
-        def __init__(self, name, kernel):
-            self.name, self.kernel = name, kernel
-
-        def __getitem__(self, grid):
-            launched.append(self.name)
-            return self.kernel[grid]
-
     for name in ("_gated_delta_conv_kernel", "_gated_delta_conv_prefetch_kernel"):
         kernel = getattr(gdn_triton, name)
-        monkeypatch.setattr(gdn_triton, name, Recorded(name, getattr(kernel, "kernel", kernel)))
+        # unwrap a previous call's recorder (a JITFunction has a `kernel` attribute of its own)
+        monkeypatch.setattr(gdn_triton, name, RecordedLaunch(name, kernel.kernel if isinstance(kernel, RecordedLaunch) else kernel, launched))
     (window, conv_weight, a, b, A_log, dt_bias, state), dims = conv_step_inputs(dtype, KERNEL_DEVICE, T=T, channels_last=channels_last)
     B, C, W = window.shape
     q, k, v, g, beta = conv_and_gates(window.cpu(), conv_weight.cpu(), a.cpu(), b.cpu(), A_log.cpu(), dt_bias.cpu(), dims, dtype)

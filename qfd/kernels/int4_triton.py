@@ -27,7 +27,8 @@ per-output-tile counter; the last program of a tile sums the partials in split o
 GATED (an MLP's gate/up pair, `Int4Linear.gated_pair`): the weight's outputs interleave gate
 and up column by column (`interleave_columns`), so every tile holds both halves of its outputs
 and its store writes silu(gate) * up [M, N / 2] (`_store_y`): the MLP's activation costs no
-kernel of its own. Static SASS (bench/sass_fusions.py): the main loops are unchanged.
+kernel of its own. Static SASS (bench/sass_fusions.py): the main loops are unchanged. The model
+uses it for one-row products only (`int4_linear.GATED_IN_KERNEL_MAX_ROWS`: what it measured).
 """
 
 from __future__ import annotations

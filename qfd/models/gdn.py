@@ -116,10 +116,13 @@ def tree_structure(ancestors: torch.Tensor, kernel: int) -> tuple[torch.Tensor, 
 
 
 CHUNK_KERNEL = True  # bench_steps.py turns it off to time the prefill as before, side by side
-# A cached forward's conv window in channels-last memory (`GatedDeltaNet._window`);
-# QFD_GDN_WINDOW=channels_first builds it channels first, as before the twenty-first session
-# (kept for side-by-side runs: bench/gpu_kernels_ab.sh).
-CHANNELS_LAST_WINDOW = os.environ.get("QFD_GDN_WINDOW", "channels_last") != "channels_first"
+# QFD_GDN_WINDOW=channels_last: a cached forward's conv window in channels-last memory
+# (`GatedDeltaNet._window`; the step kernels read either layout through its strides). Measured on
+# the H100 (docs/benchmarks.md, twenty-first session): the copy that builds a 16-token verify's
+# window halves (89 -> 44 us a step, compiled), but the step kernel, now reducing each channel's
+# taps across threads, is 10-13% slower (verify 518 -> 567 us, decode 118 -> 133): no net gain,
+# so channels first stays the default.
+CHANNELS_LAST_WINDOW = os.environ.get("QFD_GDN_WINDOW", "channels_first") == "channels_last"
 
 
 def chunked_gated_delta(q, k, v, g, beta, state, chunk_size: int = 64):
@@ -277,11 +280,10 @@ class GatedDeltaNet(nn.Module):
 
     def _window(self, mixed: torch.Tensor, state) -> torch.Tensor:
         """The conv's input [B, C, K-1+T]: the conv state (zeros for a fresh sequence), then the
-        T tokens' q/k/v channels (`mixed` [B, T, C]). Through a cache its memory is channels last
-        ([B, K-1+T, C] transposed, a view): the copy that builds it then reads the projection's
-        rows and writes the window in runs along the channels - coalesced, where the
-        channels-first copy reads each token's channels C apart (H100: 3.7 us per layer and
-        16-token verify) - and the step kernels read each tap's channels contiguously."""
+        T tokens' q/k/v channels (`mixed` [B, T, C]). Under QFD_GDN_WINDOW=channels_last its
+        memory is [B, K-1+T, C] (a transposed view): the copy that builds it reads the
+        projection's rows whole instead of each token's channels C apart, and the step kernels
+        read each tap's channels contiguously (CHANNELS_LAST_WINDOW says what it measured)."""
         if state is None:
             return F.pad(mixed.transpose(1, 2), (self.kernel - 1, 0))
         if not CHANNELS_LAST_WINDOW:

@@ -42,6 +42,15 @@ from qfd.quant.types import QuantizedWeight
 # dequantize with qfd's Triton dequant kernel (`qfd.kernels.int4_dequant`, one pass over the
 # codes, not yet timed on a GPU either: bench/bench_int4_dequant.py) and run cuBLAS.
 KERNEL_MAX_ROWS = {"cpu_int4": 8, "cuda_int4": 16, "triton": 256}
+# A gate/up pair (`Int4Linear.gated_pair`) applies its activation in the Triton kernel's store
+# for products of up to this many rows, else in torch after the plain product (torch.compile
+# fuses it into one kernel). Measured on the H100 (docs/benchmarks.md, twenty-first session;
+# 18432 x 2560, us per call in a CUDA graph): GATED vs the plain product + compiled activation
+# 16.84 vs 18.20 at one row (1.08x), 19.91 vs 19.85 at 16 (1.00x), 29.03 vs 24.56 at 32 (0.85x;
+# the gated kernel itself is 6.5 us slower there, not yet profiled). So the decode's products
+# store the activation, a verify's and a tree's run it as before (on interleaved columns).
+GATED_IN_KERNEL_MAX_ROWS = 1
+
 CUDA_KERNELS = ("tinygemm", "triton")
 # Triton: at 16 rows (the verify) 113 us vs tinygemm's 203 us over Qwen3.5-4B's linears, at
 # 1 row 78 vs 62 us; the verify dominates a speculative step (H200, docs/benchmarks.md).
@@ -197,11 +206,11 @@ class Int4Linear(nn.Module):
     # silu(gate) * up [..., out_features / 2]
     gated: bool = False
 
-    def _triton_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+    def _triton_matmul(self, x2: torch.Tensor, gated: bool = False) -> torch.Tensor:
         from qfd.kernels.int4_triton import int4_mm_op
 
         return int4_mm_op(x2, self.triton_qweight, self.triton_scales, self.triton_zeros, self.triton_counters, self.bias, self.group_size, self.in_features,
-                          self.prefetch_next, self.gated)
+                          self.prefetch_next, gated)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """w = (u - 8) * scale + zero, [out, in], from the kept nibbles (same formula as the kernel)."""
@@ -223,14 +232,16 @@ class Int4Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         one_row_tinygemm = self.mode == "triton" and x2.shape[0] == 1 and getattr(self, "one_row_packed", None) is not None
+        activated = self.gated and x2.shape[0] <= GATED_IN_KERNEL_MAX_ROWS
         if self.mode == "triton" and not one_row_tinygemm and x2.shape[0] <= KERNEL_MAX_ROWS["triton"]:
-            y = self._triton_matmul(x2)  # gated: the kernel applied the activation
+            y = self._triton_matmul(x2, gated=activated)
         else:
             y = self._other_matmul(x2, one_row_tinygemm)
-            if self.gated:
-                from qfd.kernels.int4_triton import silu_mul_interleaved
+            activated = False
+        if self.gated and not activated:
+            from qfd.kernels.int4_triton import silu_mul_interleaved
 
-                y = silu_mul_interleaved(y)
+            y = silu_mul_interleaved(y)
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
     def _other_matmul(self, x2: torch.Tensor, one_row_tinygemm: bool) -> torch.Tensor:
