@@ -55,8 +55,9 @@ from qfd.kernels import attention_triton, gdn_fla, gdn_triton, gdn_verify_triton
 from qfd.draft_vocab import DraftVocabHead  # noqa: E402
 from qfd.kernels.int4_triton import BLOCK_M_32, MAGIC_DOT, MMA16, MMA16_ONE_ROW, PDL_LAUNCH, W_FIRST_DOT  # noqa: E402
 from qfd.models import cache as target_cache  # noqa: E402
+from qfd.models import gdn as gdn_module  # noqa: E402
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
-from qfd.models.fuse import fuse_projections, fusion_enabled  # noqa: E402
+from qfd.models.fuse import fuse_projections, fusion_enabled, gated_mlp_enabled  # noqa: E402
 from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps  # noqa: E402
 from qfd.models.target import TargetConfig, TargetModel  # noqa: E402
 from qfd.quant import int4_linear  # noqa: E402
@@ -482,7 +483,8 @@ def main() -> None:
     results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "int4_magic_operand": MAGIC_DOT, "int4_block_m_32": BLOCK_M_32, "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels), "tree": args.tree,
                # the switches read from the environment (gpu_kernels_ab.sh sets them per variant)
                "attention_kernel": "triton" if attention_triton.SPLIT_KERNEL else "torch", "gdn_verify": "chunk" if gdn_verify_triton.CHUNK_VERIFY else "loop", "int4_one_row": one_row_kernel(), "int4_prefetch": int4_linear.PREFETCH_NEXT, "gdn_prefetch": gdn_triton.PREFETCH, "gdn_rollback_one_launch": target_cache.ONE_LAUNCH_ROLLBACK,
-               "int4_pdl": PDL_LAUNCH, "int4_w_first": W_FIRST_DOT, "int4_mma16": "all" if MMA16_ONE_ROW else MMA16, "draft_vocab": args.draft_vocab}
+               "int4_pdl": PDL_LAUNCH, "int4_w_first": W_FIRST_DOT, "int4_mma16": "all" if MMA16_ONE_ROW else MMA16, "draft_vocab": args.draft_vocab,
+               "gated_mlp": gated_mlp_enabled(), "gdn_window": "channels_last" if gdn_module.CHANNELS_LAST_WINDOW else "channels_first"}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures
         # Triton kernels that failed to compile or launch here ran their torch fallbacks: say so
