@@ -128,6 +128,19 @@ def test_the_op_compiles_as_one_opaque_call():
     torch.testing.assert_close(compiled(x), layer(x))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_gated_pair_compiles_in_one_graph(rows):
+    """A gate/up pair (`Int4Linear.gated_pair`) traces whole: the op's fake kernel gives the
+    gated product's half-width output (one row), torch's activation follows the plain one (more)."""
+    gate, up = (Int4Linear(weight(32, 128, 128, seed=seed), kernel="triton") for seed in (1, 2))
+    pair = Int4Linear.gated_pair(gate, up)
+    x = torch.randn(rows, 128)
+    compiled = torch.compile(pair, fullgraph=True, backend="aot_eager")
+    got = compiled(x)
+    assert got.shape == (rows, 32)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate(x)) * up(x), rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_choice_reads_the_argument_then_the_environment(monkeypatch):
     monkeypatch.setenv("QFD_INT4_KERNEL", "triton")
     assert cuda_kernel_choice() == "triton"
