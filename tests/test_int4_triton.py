@@ -118,6 +118,13 @@ def test_one_row_products_through_tinygemm_match_triton_also_fused(monkeypatch):
         triton_y = layer._triton_matmul(x)
         torch.testing.assert_close(one_row.float(), triton_y.float(), rtol=2e-2, atol=2e-2 * triton_y.abs().max().item())
         torch.testing.assert_close(layer(x.expand(3, -1)).float(), triton_y.expand(3, -1).float(), rtol=2e-2, atol=2e-2 * triton_y.abs().max().item())
+    # a gated pair's one row: tinygemm's interleaved product, then torch's activation
+    gate, up = (Int4Linear(weight(64, 512, 128, symmetric=False, seed=seed), device="cuda", dtype=torch.bfloat16, kernel="triton") for seed in (1, 2))
+    pair = Int4Linear.gated_pair(gate, up)
+    assert pair.one_row_packed is not None
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    in_kernel = pair._triton_matmul(x, gated=True)
+    torch.testing.assert_close(pair(x).float(), in_kernel.float(), rtol=2e-2, atol=2e-2 * in_kernel.abs().max().item())
 
 
 def test_the_op_compiles_as_one_opaque_call():
