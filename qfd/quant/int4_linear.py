@@ -263,9 +263,10 @@ class Int4Linear(nn.Module):
     def gated_pair(cls, gate: "Int4Linear", up: "Int4Linear") -> "Int4Linear | None":
         """One Triton-mode Int4Linear for an MLP's gate and up projections whose forward returns
         silu(gate) * up: the pair's buffers interleaved column by column
-        (`int4_triton.interleave_columns`), so the product's kernel applies the activation as it
+        (`int4_triton.interleave_columns`), so the product's kernel can apply the activation as it
         stores each tile - no activation kernel, no [.., 2 x intermediate] round trip through
-        memory. None where they cannot pair (another mode, sizes, or what `concatenated` refuses)."""
+        memory - which it does for up to GATED_IN_KERNEL_MAX_ROWS rows. None where they cannot
+        pair (another mode, sizes, or what `concatenated` refuses)."""
         if gate.mode != "triton" or up.mode != "triton" or gate.out_features != up.out_features:
             return None
         from qfd.kernels.int4_triton import interleave_columns
