@@ -67,7 +67,10 @@ def window_study(arch: int, tokens=(1, 16)) -> list[dict]:
             sass, registers, _ = compile_kernel(gdn_triton._gated_delta_conv_prefetch_kernel, args, constants, gdn_triton.NUM_WARPS, 1, arch, values,
                                                 pointers=_GDN_POINTERS)
             loads = collections.Counter(re.findall(r"\b(LDG\.E[.\w]*)", sass))
-            out.append({"tokens": t, "layout": layout, "registers": registers, "instructions": _instructions(sass), "global_loads": dict(loads.most_common())})
+            opcodes = collections.Counter(op.split(".")[0] for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass))
+            out.append({"tokens": t, "layout": layout, "registers": registers, "instructions": _instructions(sass), "global_loads": dict(loads.most_common()),
+                        # layout conversions go through shared memory (STS/LDS + BAR); MUFU: the SiLU's exp and reciprocal
+                        "opcodes": {op: opcodes[op] for op in ("STS", "LDS", "BAR", "MUFU", "SHFL")}})
     return out
 
 
@@ -88,10 +91,11 @@ def report(gated: list[dict], window: list[dict], arch: int) -> None:
                       f"{p['instructions']} -> {g['instructions']}")
     Console().print(table)
     table = Table(title=f"GDN conv-step kernel (prefetching form), window layouts (sm_{arch}, STATIC SASS counts: not timings)")
-    for col in ("tokens", "window", "registers", "instructions", "global loads by width"):
-        table.add_column(col, justify="left" if col in ("window", "global loads by width") else "right")
+    for col in ("tokens", "window", "registers", "instructions", "global loads by width", "STS / LDS / BAR / MUFU / SHFL"):
+        table.add_column(col, justify="right" if col in ("tokens", "registers", "instructions") else "left")
     for r in window:
-        table.add_row(str(r["tokens"]), r["layout"], str(r["registers"]), str(r["instructions"]), ", ".join(f"{op} {n}" for op, n in r["global_loads"].items()))
+        table.add_row(str(r["tokens"]), r["layout"], str(r["registers"]), str(r["instructions"]), ", ".join(f"{op} {n}" for op, n in r["global_loads"].items()),
+                      " / ".join(str(n) for n in r["opcodes"].values()))
     Console().print(table)
 
 

@@ -119,9 +119,9 @@ CHUNK_KERNEL = True  # bench_steps.py turns it off to time the prefill as before
 # QFD_GDN_WINDOW=channels_last: a cached forward's conv window in channels-last memory
 # (`GatedDeltaNet._window`; the step kernels read either layout through its strides). Measured on
 # the H100 (docs/benchmarks.md, twenty-first session): the copy that builds a 16-token verify's
-# window halves (89 -> 44 us a step, compiled), but the step kernel, now reducing each channel's
-# taps across threads, is 10-13% slower (verify 518 -> 567 us, decode 118 -> 133): no net gain,
-# so channels first stays the default.
+# window halves (89 -> 44 us a step, compiled), but the step kernel is 10-13% slower (verify
+# 518 -> 567 us, decode 118 -> 133; its sm_90 SASS moves the loaded taps through shared memory
+# to the conv's layout, and computes more exponentials): no net gain, so channels first stays.
 CHANNELS_LAST_WINDOW = os.environ.get("QFD_GDN_WINDOW", "channels_first") == "channels_last"
 
 
