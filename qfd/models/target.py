@@ -32,7 +32,7 @@ from qfd.kernels import attention_triton
 from qfd.models import rope as rope_math
 from qfd.models.cache import GDNState, TargetCache
 from qfd.models.gdn import GatedDeltaNet, tree_structure
-from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
+from qfd.models.linear import Linear, gated_mlp_hidden  # nn.Linear + a CPU fast path for few rows
 
 FAMILIES = ("llama", "qwen3", "qwen3_5")
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -310,13 +310,7 @@ class MLP(nn.Module):
         self.gate_up_sizes: tuple[int, ...] = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        elif getattr(self.gate_up_proj, "gated", False):  # its kernel applies silu(gate) * up (qfd.models.fuse)
-            return self.down_proj(self.gate_up_proj(x))
-        else:
-            gate, up = torch.split(self.gate_up_proj(x), self.gate_up_sizes, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(gated_mlp_hidden(self, x))
 
 
 class DecoderLayer(nn.Module):
