@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=18432)
     p.add_argument("--k", type=int, default=2560)
     p.add_argument("--rows", default="16,1", help="comma-separated row counts, profiled in this order")
+    p.add_argument("--gated", action="store_true", help="after each plain product, the same product as a GATED one (silu(gate) * up stored by the kernel, an MLP's gate/up pair): the kernel names are the same, so ncu lists plain then gated per form")
     p.add_argument("--forms", default="served", help="comma-separated: served (the config Int4Linear picks), mma16 (_int4_mma_kernel), old (_int4_mm_kernel, QFD_INT4_MMA16=0)")
     args = p.parse_args()
     if not (torch.cuda.is_available() and int4_triton.available()):
@@ -51,10 +52,11 @@ def main() -> None:
                 cfg = replace(served, mma16=False)
             else:
                 sys.exit(f"--forms: unknown form {form!r} (served, mma16, old)")
-            for _ in range(3):
-                int4_triton.int4_matmul(x, packed, config=cfg)
-            torch.cuda.synchronize()
-            print(f"rows={m} {form}: {cfg}")
+            for gated in (False, True) if args.gated else (False,):
+                for _ in range(3):
+                    int4_triton.int4_matmul(x, packed, config=cfg, gated=gated)
+                torch.cuda.synchronize()
+                print(f"rows={m} {form}{' gated' if gated else ''}: {cfg}")
 
 
 if __name__ == "__main__":

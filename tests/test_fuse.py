@@ -218,9 +218,10 @@ def test_fused_drafter_drafts_the_same(tmp_path):
         torch.testing.assert_close(run_drafter(fused, taps, 5, embed, head), run_drafter(plain, taps, 5, embed, head), rtol=1e-5, atol=1e-5)
 
 
-def test_a_gated_pair_activates_in_the_kernel_for_one_row_only(checkpoints, monkeypatch):
-    """`GATED_IN_KERNEL_MAX_ROWS`: a decode's gate/up product asks the kernel for silu(gate) * up;
-    a verify's runs the plain product and the activation in torch - the same result either way."""
+def test_a_gated_pair_leaves_the_activation_to_torch_only_in_a_compiled_tree(checkpoints, monkeypatch):
+    """`activation_in_kernel`: the gate/up product asks the kernel for silu(gate) * up at any row
+    count, except more than 16 rows while torch.compile traces (inductor fuses torch's activation
+    after the plain product there) - the same result either way."""
     from qfd.quant import int4_linear
 
     model = _quantize(_unfused(checkpoints["qwen3_5"]), "triton", False)
@@ -229,9 +230,14 @@ def test_a_gated_pair_activates_in_the_kernel_for_one_row_only(checkpoints, monk
     asked = []
     real_op = int4_triton.int4_mm_op
     monkeypatch.setattr(int4_triton, "int4_mm_op", lambda *args: asked.append(args[-1]) or real_op(*args))
-    for rows, in_kernel in ((1, True), (16, False)):
+    compiling = [False]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling[0])
+    for rows, traced, in_kernel in ((1, False, True), (16, False, True), (32, False, True), (16, True, True), (32, True, False)):
         x = torch.randn(rows, model.config.hidden_size)
         want = torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x)
         asked.clear()
-        torch.testing.assert_close(pair(x), want, atol=1e-5, rtol=1e-5)
-        assert asked == [in_kernel]
+        compiling[0] = traced
+        got = pair(x)
+        compiling[0] = False
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert asked == [in_kernel], (rows, traced)

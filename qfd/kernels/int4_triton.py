@@ -28,7 +28,8 @@ GATED (an MLP's gate/up pair, `Int4Linear.gated_pair`): the weight's outputs int
 and up column by column (`interleave_columns`), so every tile holds both halves of its outputs
 and its store writes silu(gate) * up [M, N / 2] (`_store_y`): the MLP's activation costs no
 kernel of its own. Static SASS (bench/sass_fusions.py): the main loops are unchanged. The model
-uses it for one-row products only (`int4_linear.GATED_IN_KERNEL_MAX_ROWS`: what it measured).
+uses it except in a compiled step of more than 16 rows (`int4_linear.activation_in_kernel`: what
+it measured).
 """
 
 from __future__ import annotations
