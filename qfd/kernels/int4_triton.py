@@ -212,7 +212,7 @@ if _HAVE_TRITON:
                                           dtype=tl.int32, is_pure=False, pack=1)
 
     @triton.jit
-    def _store_y(val, out_m, offs_n, out_mask, y_ptr, stride_ym, GATED: tl.constexpr):
+    def _store_y(val, out_m, offs_n, out_mask, y_ptr, stride_ym, M, N, GATED: tl.constexpr):
         """Store an fp32 tile val [rows, BN] into y. GATED: the tile's columns interleave a gate and
         an up projection (2i, 2i + 1 -> output i, `interleave_columns`) and y [rows, N / 2] gets
         silu(gate) * up, each rounded to y's dtype first as an unfused product would store them:
@@ -225,8 +225,11 @@ if _HAVE_TRITON:
             gate = gate.to(y_dtype).to(tl.float32)
             up = up.to(y_dtype).to(tl.float32)
             val = gate / (1.0 + tl.exp(-gate)) * up  # (the form the H100 timed; tl.sigmoid compiles to 8 instructions more)
-            offs_n = tl.split(tl.reshape(offs_n, (HALF, 2)))[0] // 2
-            out_mask = tl.split(tl.reshape(out_mask.to(tl.int8), (ROWS, HALF, 2)))[0] != 0
+            # The outputs' columns and mask computed afresh rather than split from offs_n: Triton
+            # then knows they are contiguous and stores vectors, not one 2-byte value at a time.
+            # program_id(0) is the tile's column block in every kernel form.
+            offs_n = tl.program_id(0) * HALF + tl.arange(0, HALF)
+            out_mask = (out_m < M)[:, None] & (offs_n < N // 2)[None, :]
         tl.store(y_ptr + out_m[:, None] * stride_ym + offs_n[None, :], val.to(y_dtype), mask=out_mask)
 
     @triton.jit
@@ -238,7 +241,7 @@ if _HAVE_TRITON:
         if SPLIT_K == 1:
             if HAS_BIAS:
                 out += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            _store_y(out, out_m, offs_n, out_mask, y_ptr, stride_ym, GATED)
+            _store_y(out, out_m, offs_n, out_mask, y_ptr, stride_ym, M, N, GATED)
         else:
             ws_tile = ws_ptr + out_m[:, None] * N + offs_n[None, :]
             tl.store(ws_tile + pid_k * M * N, out, mask=out_mask)
@@ -250,7 +253,7 @@ if _HAVE_TRITON:
                     total += tl.load(ws_tile + sk * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-                _store_y(total, out_m, offs_n, out_mask, y_ptr, stride_ym, GATED)
+                _store_y(total, out_m, offs_n, out_mask, y_ptr, stride_ym, M, N, GATED)
                 tl.atomic_xchg(cnt_ptr + tile_id, 0)  # ready for the next launch
 
     @triton.jit
