@@ -23,10 +23,9 @@ the unfused forward is always there.
 A gate/up pair of Triton-mode `Int4Linear`s fuses further (`Int4Linear.gated_pair`): its
 columns interleave gate and up, the module returns silu(gate) * up, and the MLP's forward passes
 that straight to down_proj. The product's kernel stores the activation as it writes each tile
-(no activation kernel, no [rows, 2 x intermediate] round trip), except in a compiled step of
-more than 16 rows, where inductor fuses torch's activation after the product
-(`int4_linear.activation_in_kernel`). QFD_GATED_MLP=0 keeps the plain concatenation and the
-MLP's own activation.
+(no activation kernel, no [rows, 2 x intermediate] round trip); where another kernel runs the
+product (tinygemm, long prompts) torch applies it after. QFD_GATED_MLP=0 keeps the plain
+concatenation and the MLP's own activation.
 
 `qfd.models.loading.load_target` fuses by default (`fuse=False` keeps the modules);
 QFD_FUSE=0 in the environment turns fusion off everywhere (`fuse_projections` returns 0).

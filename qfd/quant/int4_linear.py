@@ -42,21 +42,13 @@ from qfd.quant.types import QuantizedWeight
 # dequantize with qfd's Triton dequant kernel (`qfd.kernels.int4_dequant`, one pass over the
 # codes, not yet timed on a GPU either: bench/bench_int4_dequant.py) and run cuBLAS.
 KERNEL_MAX_ROWS = {"cpu_int4": 8, "cuda_int4": 16, "triton": 256}
-# A gate/up pair (`Int4Linear.gated_pair`) applies its activation in the Triton kernel's store
-# for products of up to this many rows, and for more rows too unless torch.compile is tracing
-# (`activation_in_kernel`). Measured on the H100 (docs/benchmarks.md; 18432 x 2560, us per call in
-# a CUDA graph): GATED vs the plain product + compiled activation 16.84 vs 18.20 at one row
-# (1.08x), 19.91 vs 19.85 at 16 (1.00x), 29.03 vs 24.56 at 32 (0.85x; the gated kernel itself is
-# 6.5 us slower there). Uncompiled, the activation after the product is five launches on
-# interleaved columns (two strided casts, silu, mul, cast): with it the graphed verify took 7.51 ms
-# against 6.88 ms for the unpaired MLP (twenty-second session), so only a compiled step with
-# more than 16 rows (a tree) leaves the activation to inductor, which fuses it into one kernel.
-GATED_IN_KERNEL_MAX_ROWS = 16
-
-
-def activation_in_kernel(rows: int) -> bool:
-    """Whether a gated pair's product of `rows` rows stores silu(gate) * up itself."""
-    return rows <= GATED_IN_KERNEL_MAX_ROWS or not torch.compiler.is_compiling()
+# A gate/up pair (`Int4Linear.gated_pair`) applies its activation in the Triton kernel's store at
+# every row count the kernel takes. Measured on the H100 (docs/benchmarks.md, twenty-second
+# session; 18432 x 2560, us per call in a CUDA graph), GATED vs the plain product + compiled
+# activation: 16.83 vs 18.24 at one row (1.08x), 18.64 vs 19.88 at 16 (1.07x), 21.88 vs 24.52 at
+# 32 (1.12x), once the epilogue stored vectors (it was 0.85x at 32 rows with 2-byte stores).
+# Elsewhere (tinygemm's one row, the dequant path's long prompts) torch applies it after the
+# product, on the interleaved columns.
 
 CUDA_KERNELS = ("tinygemm", "triton")
 # Triton: at 16 rows (the verify) 113 us vs tinygemm's 203 us over Qwen3.5-4B's linears, at
@@ -239,16 +231,14 @@ class Int4Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).to(self.dtype).contiguous()
         one_row_tinygemm = self.mode == "triton" and x2.shape[0] == 1 and getattr(self, "one_row_packed", None) is not None
-        activated = self.gated and activation_in_kernel(x2.shape[0])
         if self.mode == "triton" and not one_row_tinygemm and x2.shape[0] <= KERNEL_MAX_ROWS["triton"]:
-            y = self._triton_matmul(x2, gated=activated)
+            y = self._triton_matmul(x2, gated=self.gated)
         else:
             y = self._other_matmul(x2, one_row_tinygemm)
-            activated = False
-        if self.gated and not activated:
-            from qfd.kernels.int4_triton import silu_mul_interleaved
+            if self.gated:
+                from qfd.kernels.int4_triton import silu_mul_interleaved
 
-            y = silu_mul_interleaved(y)
+                y = silu_mul_interleaved(y)
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
 
     def _other_matmul(self, x2: torch.Tensor, one_row_tinygemm: bool) -> torch.Tensor:
@@ -272,7 +262,7 @@ class Int4Linear(nn.Module):
         silu(gate) * up: the pair's buffers interleaved column by column
         (`int4_triton.interleave_columns`), so the product's kernel can apply the activation as it
         stores each tile - no activation kernel, no [.., 2 x intermediate] round trip through
-        memory - which it does where `activation_in_kernel` says. None where they cannot
+        memory - wherever the Triton kernel runs the product. None where they cannot
         pair (another mode, sizes, or what `concatenated` refuses)."""
         if gate.mode != "triton" or up.mode != "triton" or gate.out_features != up.out_features:
             return None
