@@ -47,7 +47,9 @@ def gated_study(gpu: str, arch: int, rows=(1, 16, 32)) -> list[dict]:
             for gated in (False, True):
                 sass, registers, _ = compile_kernel(fn, args, constants | {"GATED": gated}, used.num_warps, used.num_stages, arch, values)
                 key = "gated" if gated else "plain"
-                row[key] = {"registers": registers, "loop_instructions": main_loop_stats(sass).instructions, "instructions": _instructions(sass)}
+                row[key] = {"registers": registers, "loop_instructions": main_loop_stats(sass).instructions, "instructions": _instructions(sass),
+                            # global stores by width: the gated store must stay vectors (2-byte ones cost the 32-row form 30%)
+                            "stores": dict(collections.Counter(re.findall(r"\b(STG\.E[.\w]*)", sass)).most_common())}
             out.append(row)
     return out
 
@@ -74,6 +76,10 @@ def window_study(arch: int, tokens=(1, 16)) -> list[dict]:
     return out
 
 
+def _widths(stores: dict) -> str:
+    return ", ".join(f"{op.removeprefix('STG.E').lstrip('.') or '32'} x{n}" for op, n in stores.items())
+
+
 def _instructions(sass: str) -> int:
     return len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+\S", sass))
 
@@ -83,12 +89,12 @@ def report(gated: list[dict], window: list[dict], arch: int) -> None:
     from rich.table import Table
 
     table = Table(title=f"INT4 gate/up product {GATE_UP[1]}x{GATE_UP[2]}, plain vs GATED epilogue (sm_{arch}, STATIC SASS counts: not timings)")
-    for col in ("rows", "form", "registers", "main-loop instr", "kernel instr"):
+    for col in ("rows", "form", "registers", "main-loop instr", "kernel instr", "global stores (plain -> gated)"):
         table.add_column(col, justify="left" if col == "form" else "right")
     for r in gated:
         p, g = r["plain"], r["gated"]
         table.add_row(str(r["rows"]), r["form"], f"{p['registers']} -> {g['registers']}", f"{p['loop_instructions']} -> {g['loop_instructions']}",
-                      f"{p['instructions']} -> {g['instructions']}")
+                      f"{p['instructions']} -> {g['instructions']}", f"{_widths(p['stores'])} -> {_widths(g['stores'])}")
     Console().print(table)
     table = Table(title=f"GDN conv-step kernel (prefetching form), window layouts (sm_{arch}, STATIC SASS counts: not timings)")
     for col in ("tokens", "window", "registers", "instructions", "global loads by width", "STS / LDS / BAR / MUFU / SHFL"):
