@@ -27,7 +27,8 @@
 #                each token's update instead of its state: QFD_GDN_HISTORY=records), gated_mlp_off (fused,
 #                the MLP's INT4 gate/up product plain and its activation a kernel of its own also for one
 #                row, as before 2026-12-07's twenty-first session: QFD_GATED_MLP=0), window_channels_last
-#                (fused, the GDN conv window built channels last: QFD_GDN_WINDOW=channels_last)
+#                (fused, the GDN conv window built channels last: QFD_GDN_WINDOW=channels_last), fused_norm_off
+#                (fused, every RMSNorm in torch's ops also uncompiled, as before the twenty-second session: QFD_FUSED_NORM=0)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks;
@@ -39,13 +40,13 @@
 export PYTHONPATH=${QFD_SRC:-$PWD}${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=${COLUMNS:-180}
 SRC=${QFD_SRC:-$PWD}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-[ "${TESTS_K:-}" = none ] || (cd "$SRC" && timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py tests/test_int4_dequant.py tests/test_attention_triton.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -3)
+[ "${TESTS_K:-}" = none ] || (cd "$SRC" && timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gdn_kernel.py tests/test_int4_triton.py tests/test_int4_dequant.py tests/test_attention_triton.py tests/test_norm_triton.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tail -3)
 [ -z "${INT4_AB:-}" ] || timeout "${INT4_AB_S:-150}" python3 "$SRC/bench/bench_int4_kernels.py" --ab --rows 1,16,32 ${INT4_AB_FLAGS:-} --out "$OUT/int4_ab.json" 2>&1 | grep -v Warning | tee "$OUT/int4_ab.log" | tail -60
 limit=${STEPS_FIRST_S:-$(( ${STEPS_S:-150} + 120 ))}
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=1 prefetch=0 rollback=one_launch history=states gated=1 window=channels_first
+    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=1 prefetch=0 rollback=one_launch history=states gated=1 window=channels_first norm=1
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
     [ "$variant" = gdn_chunk_verify ] && verify=chunk
@@ -61,11 +62,12 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = gdn_records ] && history=records
     [ "$variant" = gated_mlp_off ] && gated=0
     [ "$variant" = window_channels_last ] && window=channels_last
+    [ "$variant" = fused_norm_off ] && norm=0
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
     [ "$variant" = int4_head ] && flags="--int4-head"
-    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention QFD_INT4_PDL=$pdl QFD_INT4_WFIRST=$wfirst QFD_INT4_MMA16=$mma16 QFD_INT4_PREFETCH=$prefetch QFD_GDN_ROLLBACK=$rollback QFD_GDN_HISTORY=$history QFD_GATED_MLP=$gated QFD_GDN_WINDOW=$window timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention QFD_INT4_PDL=$pdl QFD_INT4_WFIRST=$wfirst QFD_INT4_MMA16=$mma16 QFD_INT4_PREFETCH=$prefetch QFD_GDN_ROLLBACK=$rollback QFD_GDN_HISTORY=$history QFD_GATED_MLP=$gated QFD_GDN_WINDOW=$window QFD_FUSED_NORM=$norm timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"

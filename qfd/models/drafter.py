@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qfd.drafter_losses import block_attention_mask, context_window_start, per_block_attention_mask
-from qfd.kernels import attention_triton
+from qfd.kernels import attention_triton, norm_triton
 from qfd.models.linear import Linear, gated_mlp_hidden  # nn.Linear + a CPU fast path for few rows
 
 
@@ -136,6 +136,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if norm_triton.use_kernel(x, self.weight, x.dtype):  # one launch where torch.compile does not fuse the form below
+            return norm_triton.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

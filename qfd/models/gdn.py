@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qfd.kernels import gdn_chunk_triton, gdn_fla, launch_or_fallback
+from qfd.kernels import gdn_chunk_triton, gdn_fla, launch_or_fallback, norm_triton
 from qfd.models.linear import Linear  # nn.Linear + a CPU fast path for few rows
 
 
@@ -208,7 +208,8 @@ def conv_and_gates(window, conv_weight, a, b, A_log, dt_bias, dims: tuple[int, i
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm(x) * w * SiLU(z) over the value-head dim (transformers' Qwen3_5RMSNormGated)."""
+    """RMSNorm(x) * w * SiLU(z) over the value-head dim (transformers' Qwen3_5RMSNormGated), x
+    first cast to z's dtype (the core output arrives in float32)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -216,8 +217,10 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
+        dtype = gate.dtype
+        if norm_triton.use_kernel(x, self.weight, dtype):  # one launch (cast included) where torch.compile does not fuse the form below
+            return norm_triton.rms_norm(x, self.weight, self.eps, norm_triton.GATED, gate)
+        h = x.to(dtype).float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(dtype)
         return (h * F.silu(gate.float())).to(dtype)
@@ -293,7 +296,7 @@ class GatedDeltaNet(nn.Module):
     def _output(self, core: torch.Tensor, z: torch.Tensor, dtype) -> torch.Tensor:
         """Gated RMSNorm of the core output [B, T, H, dv] by z, then out_proj."""
         B, T = core.shape[:2]
-        core = self.norm(core.to(dtype), z.reshape(B, T, self.num_v_heads, self.head_v_dim))
+        core = self.norm(core, z.reshape(B, T, self.num_v_heads, self.head_v_dim).to(dtype))
         return self.out_proj(core.reshape(B, T, self.value_dim))
 
     def _prompt_qfd(self, window, a, b, state, dims, dtype) -> torch.Tensor:

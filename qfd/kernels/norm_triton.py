@@ -1,0 +1,114 @@
+"""RMSNorm in one Triton launch, for the steps that torch.compile does not fuse.
+
+Uncompiled (the Engine's default: `--compile` is opt-in), torch runs an RMSNorm as about eight
+kernels - a float copy, pow, mean, add, rsqrt, mul, a cast, the weight's mul - and the Gated
+DeltaNet's gated norm four more. The Qwen3.5-4B shape has 105 norms a step, so they are ~40% of
+an uncompiled graphed step's ~1550 launches (H100 profile, docs/benchmarks.md, twenty-second
+session). Compiled steps keep torch's form: inductor fuses it with its neighbours (the residual
+add, the cast), which this opaque kernel would prevent (`use_kernel`).
+
+One program normalises one row of D values (D <= 4096: a hidden state, a head) with the same
+rounding points as the modules' torch code (qfd.models.target.RMSNorm, qfd.models.drafter.RMSNorm,
+qfd.models.gdn.GatedRMSNorm):
+- PLAIN: w * round(h), h = x * rsqrt(mean(x^2) + eps) in float32;
+- ZERO_CENTERED (Qwen3.5): round(h * (1 + w));
+- GATED: round(round(w * round(h)) * silu(z)), x first rounded to z's dtype (the GDN core
+  output arrives in float32 and the torch form casts it before the norm).
+Rows may be strided two levels deep ([rows, heads, D] views of a projection's output), so a
+split or sliced input needs no copy.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from qfd.kernels import HAVE_TRITON, launch_or_fallback, tl, triton  # noqa: F401 (tl: the kernel)
+
+PLAIN, ZERO_CENTERED, GATED = 0, 1, 2
+MAX_DIM = 4096
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, z_ptr, y_ptr, D, HEADS, sx_r, sx_h, sz_r, sz_h, eps,
+                         BD: tl.constexpr, MODE: tl.constexpr, ROUND_X: tl.constexpr):
+        """Row `program_id(0)` of y [rows * HEADS, D] (contiguous) from x and z [rows, HEADS, D]
+        (strides sx_r, sx_h; 1 along D)."""
+        pid = tl.program_id(0)
+        r = pid // HEADS
+        hd = pid % HEADS
+        offs = tl.arange(0, BD)
+        mask = offs < D
+        y_dtype = y_ptr.dtype.element_ty
+        x = tl.load(x_ptr + r * sx_r + hd * sx_h + offs, mask=mask, other=0.0)
+        if ROUND_X:  # the torch form's cast of the input to the output's dtype, before the norm
+            x = x.to(y_dtype)
+        x = x.to(tl.float32)
+        h = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if MODE == 1:
+            y = h * (1.0 + w)
+        else:
+            y = w * h.to(y_dtype).to(tl.float32)
+            if MODE == 2:
+                z = tl.load(z_ptr + r * sz_r + hd * sz_h + offs, mask=mask, other=0.0).to(tl.float32)
+                y = y.to(y_dtype).to(tl.float32) * (z / (1.0 + tl.exp(-z)))
+        tl.store(y_ptr + pid * D + offs, y.to(y_dtype), mask=mask)
+
+
+def enabled() -> bool:
+    """QFD_FUSED_NORM=0 keeps torch's RMSNorm everywhere (read at each call: the A/B bench switches it)."""
+    return os.environ.get("QFD_FUSED_NORM", "1") != "0"
+
+
+def use_kernel(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether a module's norm of x runs `rms_norm`: a CUDA tensor outside torch.compile's
+    tracing, a weight already in the output's dtype (else torch's type promotion would give a
+    float32 result the kernel does not reproduce), D within MAX_DIM."""
+    return (HAVE_TRITON and enabled() and x.is_cuda and not torch.compiler.is_compiling()
+            and weight.dtype == out_dtype and x.shape[-1] <= MAX_DIM)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t [..., D] as [rows, heads, D] with unit stride along D (a view where one exists)."""
+    t3 = t.reshape(-1, t.shape[-2] if t.dim() >= 3 else 1, t.shape[-1])
+    return t3 if t3.stride(-1) == 1 else t3.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = PLAIN, gate: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The norm of x [..., D] over D in one launch (module docstring), y [..., D] in `out_dtype`
+    (default x's; GATED: z's). mode: PLAIN, ZERO_CENTERED or GATED (gate z shaped as x)."""
+    if mode == GATED:
+        if gate is None or gate.shape != x.shape:
+            raise ValueError(f"rms_norm: GATED needs a gate shaped as x {tuple(x.shape)}, got {None if gate is None else tuple(gate.shape)}")
+        out_dtype = gate.dtype
+    out_dtype = out_dtype or x.dtype
+    d = x.shape[-1]
+
+    def launch():
+        x3 = _rows(x)
+        z3 = _rows(gate) if mode == GATED else x3
+        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        grid = (x3.shape[0] * x3.shape[1],)
+        _rms_norm_kernel[grid](x3, weight, z3, y, d, x3.shape[1], x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
+                               BD=triton.next_power_of_2(d), MODE=mode, ROUND_X=x.dtype != out_dtype, num_warps=4 if d <= 1024 else 8)
+        return y
+
+    return launch_or_fallback("rms_norm", launch, lambda: reference(x, weight, eps, mode, gate, out_dtype))
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = PLAIN, gate: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The modules' torch form, with the same rounding points as the kernel."""
+    dtype = gate.dtype if mode == GATED else (out_dtype or x.dtype)
+    h = x.to(dtype).float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if mode == ZERO_CENTERED:
+        return (h * (1.0 + weight.float())).to(dtype)
+    y = weight * h.to(dtype)
+    if mode == GATED:
+        return (y * torch.nn.functional.silu(gate.float())).to(dtype)
+    return y

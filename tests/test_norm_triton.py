@@ -1,0 +1,108 @@
+"""qfd's one-launch RMSNorm (qfd.kernels.norm_triton) and the modules that use it.
+
+Kernel tests run where Triton does (a GPU, or TRITON_INTERPRET=1 on a CPU); the reference's
+agreement with the modules' torch forms and the dispatch rule run on CI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qfd.kernels import norm_triton
+from qfd.models import drafter, gdn, target
+from tests.test_int4_triton import needs_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MODES = {"plain": norm_triton.PLAIN, "zero_centered": norm_triton.ZERO_CENTERED, "gated": norm_triton.GATED}
+
+
+def _inputs(shape, dtype, device=DEVICE, seed=0):
+    torch.manual_seed(seed)
+    x = torch.randn(*shape, device=device) * 3
+    w = torch.randn(shape[-1], device=device).to(dtype) * 0.5 + 1
+    return x.to(dtype), w
+
+
+def _close(got, want):
+    """float32: to 1e-5; bf16: a few roundings apart - the reduction order differs, Triton's CPU
+    interpreter rounds float32 -> bf16 toward zero where the GPU rounds to nearest even, and the
+    gated form rounds three times (h, w * h, the result), each up to one bf16 step (2^-8)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = dict(rtol=1e-5, atol=1e-5) if want.dtype == torch.float32 else dict(rtol=4e-2, atol=4e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 2560), (1, 5, 4, 96), (2, 16, 8, 128)])
+def test_the_kernel_matches_the_reference(mode, dtype, shape):
+    x, w = _inputs(shape, dtype)
+    gate = torch.randn(shape, device=DEVICE).to(dtype) if mode == "gated" else None
+    _close(norm_triton.rms_norm(x, w, 1e-6, MODES[mode], gate), norm_triton.reference(x, w, 1e-6, MODES[mode], gate))
+
+
+@needs_triton
+def test_a_strided_gate_and_a_float32_input_to_a_bf16_gated_norm():
+    """The GDN's case: z is a slice of the fused projection's output ([B, T, H, dv] with the row
+    stride of the whole projection) and the core output arrives in float32: no copies, and x is
+    rounded to bf16 before the norm as the torch form does."""
+    B, T, H, dv = 1, 16, 8, 128
+    proj = torch.randn(B, T, 3 * H * dv, device=DEVICE).to(torch.bfloat16)
+    z = proj[..., H * dv: 2 * H * dv].reshape(B, T, H, dv)
+    assert not z.is_contiguous()
+    core = torch.randn(B, T, H, dv, device=DEVICE) * 2
+    w = (torch.randn(dv, device=DEVICE) * 0.5 + 1).to(torch.bfloat16)
+    got = norm_triton.rms_norm(core, w, 1e-6, norm_triton.GATED, z)
+    assert got.dtype == torch.bfloat16
+    _close(got, norm_triton.reference(core, w, 1e-6, norm_triton.GATED, z))
+
+
+def test_a_gated_norm_without_a_matching_gate_is_refused():
+    x, w = _inputs((4, 64), torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="GATED needs a gate"):
+        norm_triton.rms_norm(x, w, 1e-6, norm_triton.GATED, torch.randn(4, 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_reference_is_each_modules_torch_form(dtype):
+    """Bit for bit on the CPU: the kernel is checked against `reference`, so it must be the modules' own math."""
+    x, w = _inputs((2, 7, 64), dtype, device="cpu")
+    gate = torch.randn(2, 7, 64).to(dtype)
+    for module, mode in ((target.RMSNorm(64, 1e-6), norm_triton.PLAIN), (target.RMSNorm(64, 1e-6, zero_centered=True), norm_triton.ZERO_CENTERED),
+                         (drafter.RMSNorm(64, 1e-6), norm_triton.PLAIN)):
+        module = module.to(dtype)
+        with torch.no_grad():
+            module.weight.copy_(w)
+        assert torch.equal(module(x), norm_triton.reference(x, module.weight, 1e-6, mode))
+    gated = gdn.GatedRMSNorm(64, 1e-6).to(dtype)
+    with torch.no_grad():
+        gated.weight.copy_(w)
+    core = x.float() * 1.5  # float32, as the GDN kernels return it
+    assert torch.equal(gated(core, gate), norm_triton.reference(core, gated.weight, 1e-6, norm_triton.GATED, gate))
+
+
+def test_modules_use_the_kernel_only_on_a_gpu_outside_compile(monkeypatch):
+    x, w = _inputs((2, 64), torch.bfloat16, device="cpu")
+    assert not norm_triton.use_kernel(x, w, x.dtype)  # a CPU tensor: torch's form
+    if not torch.cuda.is_available():
+        return
+    xc, wc = x.cuda(), w.cuda()
+    assert norm_triton.use_kernel(xc, wc, xc.dtype) == norm_triton.HAVE_TRITON
+    assert not norm_triton.use_kernel(xc, wc.float(), xc.dtype)  # torch would promote to float32
+    monkeypatch.setenv("QFD_FUSED_NORM", "0")
+    assert not norm_triton.use_kernel(xc, wc, xc.dtype)
+    monkeypatch.delenv("QFD_FUSED_NORM")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not norm_triton.use_kernel(xc, wc, xc.dtype)  # inductor fuses torch's form with its neighbours
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the modules dispatch to the kernel on CUDA tensors only")
+def test_on_a_gpu_the_modules_give_their_torch_results(monkeypatch):
+    x, w = _inputs((1, 16, 2560), torch.bfloat16)
+    module = target.RMSNorm(2560, 1e-6, zero_centered=True).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        module.weight.copy_(w)
+        fused = module(x)
+        monkeypatch.setenv("QFD_FUSED_NORM", "0")
+        _close(fused, module(x))
