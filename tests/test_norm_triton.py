@@ -82,12 +82,15 @@ def test_the_reference_is_each_modules_torch_form(dtype):
     assert torch.equal(gated(core, gate), norm_triton.reference(core, gated.weight, 1e-6, norm_triton.GATED, gate))
 
 
-def test_modules_use_the_kernel_only_on_a_gpu_outside_compile(monkeypatch):
+def test_modules_use_the_kernel_only_in_a_graphed_gpu_step_outside_compile(monkeypatch):
     x, w = _inputs((2, 64), torch.bfloat16, device="cpu")
-    assert not norm_triton.use_kernel(x, w, x.dtype)  # a CPU tensor: torch's form
+    with norm_triton.graphed_step():
+        assert not norm_triton.use_kernel(x, w, x.dtype)  # a CPU tensor: torch's form
     if not torch.cuda.is_available():
         return
     xc, wc = x.cuda(), w.cuda()
+    assert not norm_triton.use_kernel(xc, wc, xc.dtype)  # eager: torch's form
+    monkeypatch.setattr(norm_triton, "_graphed_depth", 1)
     assert norm_triton.use_kernel(xc, wc, xc.dtype) == norm_triton.HAVE_TRITON
     assert not norm_triton.use_kernel(xc, wc.float(), xc.dtype)  # torch would promote to float32
     monkeypatch.setenv("QFD_FUSED_NORM", "0")
@@ -97,12 +100,25 @@ def test_modules_use_the_kernel_only_on_a_gpu_outside_compile(monkeypatch):
     assert not norm_triton.use_kernel(xc, wc, xc.dtype)  # inductor fuses torch's form with its neighbours
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the modules dispatch to the kernel on CUDA tensors only")
-def test_on_a_gpu_the_modules_give_their_torch_results(monkeypatch):
+def test_the_graphed_step_context_nests_and_unwinds():
+    assert norm_triton._graphed_depth == 0
+    with pytest.raises(RuntimeError):
+        with norm_triton.graphed_step(), norm_triton.graphed_step():
+            assert norm_triton._graphed_depth == 2
+            raise RuntimeError
+    assert norm_triton._graphed_depth == 0
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and norm_triton.HAVE_TRITON), reason="the modules dispatch to the kernel in graphed CUDA steps only")
+def test_a_graphed_gpu_step_gives_the_modules_torch_results():
+    from qfd.models.graphs import capture
+
     x, w = _inputs((1, 16, 2560), torch.bfloat16)
     module = target.RMSNorm(2560, 1e-6, zero_centered=True).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
         module.weight.copy_(w)
-        fused = module(x)
-        monkeypatch.setenv("QFD_FUSED_NORM", "0")
-        _close(fused, module(x))
+        eager = module(x)  # torch's form
+        graph, graphed = capture(lambda: module(x))  # the kernel, warmed up and captured
+        graph.replay()
+        torch.cuda.synchronize()
+    _close(graphed, eager)

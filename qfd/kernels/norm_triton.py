@@ -1,11 +1,16 @@
-"""RMSNorm in one Triton launch, for the steps that torch.compile does not fuse.
+"""RMSNorm in one Triton launch, for the CUDA-graphed steps that torch.compile does not fuse.
 
 Uncompiled (the Engine's default: `--compile` is opt-in), torch runs an RMSNorm as about eight
 kernels - a float copy, pow, mean, add, rsqrt, mul, a cast, the weight's mul - and the Gated
-DeltaNet's gated norm four more. The Qwen3.5-4B shape has 105 norms a step, so they are ~40% of
-an uncompiled graphed step's ~1550 launches (H100 profile, docs/benchmarks.md, twenty-second
-session). Compiled steps keep torch's form: inductor fuses it with its neighbours (the residual
-add, the cast), which this opaque kernel would prevent (`use_kernel`).
+DeltaNet's gated norm four more. The Qwen3.5-4B shape has 105 norms a step: with this kernel a
+graphed INT4 decode ran 534 launches instead of 1551, 3.31 ms instead of 5.83 (H100,
+docs/benchmarks.md, twenty-second session). `use_kernel` keeps torch's form
+- under torch.compile: inductor fuses it with its neighbours (the residual add, the cast), which
+  this opaque kernel would prevent;
+- outside a graphed step (`graphed_step`: qfd.models.graphs.capture's warm-up and capture): the
+  same run's eager 64-token prefill was slower with the kernel (164 vs 126 ms INT4, 121 vs 62 ms
+  bf16; not explained - the eager prefill ran first and is CPU-bound, and it varied 69-126 ms
+  between machines without the kernel), so eager paths stay as they were until measured apart.
 
 One program normalises one row of D values (D <= 4096: a hidden state, a head) with the same
 rounding points as the modules' torch code (qfd.models.target.RMSNorm, qfd.models.drafter.RMSNorm,
@@ -20,6 +25,7 @@ split or sliced input needs no copy.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -28,6 +34,7 @@ from qfd.kernels import HAVE_TRITON, launch_or_fallback, tl, triton  # noqa: F40
 
 PLAIN, ZERO_CENTERED, GATED = 0, 1, 2
 MAX_DIM = 4096
+_graphed_depth = 0  # > 0 inside `graphed_step`
 
 if HAVE_TRITON:
 
@@ -63,12 +70,25 @@ def enabled() -> bool:
     return os.environ.get("QFD_FUSED_NORM", "1") != "0"
 
 
+@contextlib.contextmanager
+def graphed_step():
+    """Norms inside run the kernel (CUDA tensors): a step being warmed up and captured as a CUDA graph."""
+    global _graphed_depth
+    _graphed_depth += 1
+    try:
+        yield
+    finally:
+        _graphed_depth -= 1
+
+
 def use_kernel(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
-    """Whether a module's norm of x runs `rms_norm`: a CUDA tensor outside torch.compile's
-    tracing, a weight already in the output's dtype (else torch's type promotion would give a
-    float32 result the kernel does not reproduce), D within MAX_DIM."""
-    return (HAVE_TRITON and enabled() and x.is_cuda and not torch.compiler.is_compiling()
-            and weight.dtype == out_dtype and x.shape[-1] <= MAX_DIM)
+    """Whether a module's norm of x runs `rms_norm`: not under torch.compile's tracing (checked
+    first, so the trace reads nothing else), inside `graphed_step`, a CUDA tensor, a weight
+    already in the output's dtype (else torch's type promotion would give a float32 result the
+    kernel does not reproduce), D within MAX_DIM (module docstring)."""
+    if torch.compiler.is_compiling():
+        return False
+    return (_graphed_depth > 0 and HAVE_TRITON and enabled() and x.is_cuda and weight.dtype == out_dtype and x.shape[-1] <= MAX_DIM)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
