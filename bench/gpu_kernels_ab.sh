@@ -28,7 +28,8 @@
 #                the MLP's INT4 gate/up product plain and its activation a kernel of its own also for one
 #                row, as before 2026-12-07's twenty-first session: QFD_GATED_MLP=0), window_channels_last
 #                (fused, the GDN conv window built channels last: QFD_GDN_WINDOW=channels_last), fused_norm_off
-#                (fused, every RMSNorm in torch's ops also uncompiled, as before the twenty-second session: QFD_FUSED_NORM=0)
+#                (fused, every RMSNorm in torch's ops also uncompiled, as before the twenty-second session: QFD_FUSED_NORM=0),
+#                fused_norm_eager (fused, the one-launch RMSNorm in the eager prefill too: QFD_FUSED_NORM=all)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks;
@@ -63,6 +64,7 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = gated_mlp_off ] && gated=0
     [ "$variant" = window_channels_last ] && window=channels_last
     [ "$variant" = fused_norm_off ] && norm=0
+    [ "$variant" = fused_norm_eager ] && norm=all
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"

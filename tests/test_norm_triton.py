@@ -90,6 +90,9 @@ def test_modules_use_the_kernel_only_in_a_graphed_gpu_step_outside_compile(monke
         return
     xc, wc = x.cuda(), w.cuda()
     assert not norm_triton.use_kernel(xc, wc, xc.dtype)  # eager: torch's form
+    monkeypatch.setenv("QFD_FUSED_NORM", "all")
+    assert norm_triton.use_kernel(xc, wc, xc.dtype) == norm_triton.HAVE_TRITON  # ... unless asked for the A/B
+    monkeypatch.delenv("QFD_FUSED_NORM")
     monkeypatch.setattr(norm_triton, "_graphed_depth", 1)
     assert norm_triton.use_kernel(xc, wc, xc.dtype) == norm_triton.HAVE_TRITON
     assert not norm_triton.use_kernel(xc, wc.float(), xc.dtype)  # torch would promote to float32

@@ -10,7 +10,8 @@ docs/benchmarks.md, twenty-second session). `use_kernel` keeps torch's form
 - outside a graphed step (`graphed_step`: qfd.models.graphs.capture's warm-up and capture): the
   same run's eager 64-token prefill was slower with the kernel (164 vs 126 ms INT4, 121 vs 62 ms
   bf16; not explained - the eager prefill ran first and is CPU-bound, and it varied 69-126 ms
-  between machines without the kernel), so eager paths stay as they were until measured apart.
+  between machines without the kernel), so eager paths stay as they were until measured apart
+  (`QFD_FUSED_NORM=all` runs the kernel there too, for that A/B).
 
 One program normalises one row of D values (D <= 4096: a hidden state, a head) with the same
 rounding points as the modules' torch code (qfd.models.target.RMSNorm, qfd.models.drafter.RMSNorm,
@@ -65,9 +66,15 @@ if HAVE_TRITON:
         tl.store(y_ptr + pid * D + offs, y.to(y_dtype), mask=mask)
 
 
+def setting() -> str:
+    """QFD_FUSED_NORM: "1" (default) the kernel in graphed steps, "0" torch's RMSNorm everywhere,
+    "all" the kernel in eager CUDA forwards too (read at each call: the A/B bench switches it)."""
+    value = os.environ.get("QFD_FUSED_NORM", "1")
+    return value if value in ("0", "all") else "1"
+
+
 def enabled() -> bool:
-    """QFD_FUSED_NORM=0 keeps torch's RMSNorm everywhere (read at each call: the A/B bench switches it)."""
-    return os.environ.get("QFD_FUSED_NORM", "1") != "0"
+    return setting() != "0"
 
 
 @contextlib.contextmanager
@@ -88,7 +95,9 @@ def use_kernel(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) ->
     kernel does not reproduce), D within MAX_DIM (module docstring)."""
     if torch.compiler.is_compiling():
         return False
-    return (_graphed_depth > 0 and HAVE_TRITON and enabled() and x.is_cuda and weight.dtype == out_dtype and x.shape[-1] <= MAX_DIM)
+    where = setting()
+    return ((where == "all" or (where == "1" and _graphed_depth > 0)) and HAVE_TRITON and x.is_cuda and weight.dtype == out_dtype
+            and x.shape[-1] <= MAX_DIM)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
