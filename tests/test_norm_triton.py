@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qfd.kernels import norm_triton
+from qfd.kernels import interpreting, norm_triton
 from qfd.models import drafter, gdn, target
 from tests.test_int4_triton import needs_triton
 
@@ -56,6 +56,35 @@ def test_a_strided_gate_and_a_float32_input_to_a_bf16_gated_norm():
     got = norm_triton.rms_norm(core, w, 1e-6, norm_triton.GATED, z)
     assert got.dtype == torch.bfloat16
     _close(got, norm_triton.reference(core, w, 1e-6, norm_triton.GATED, z))
+
+
+@needs_triton
+@pytest.mark.parametrize("mode", ["plain", "zero_centered"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_add_and_norm_kernel_matches_the_add_then_the_norm(mode, dtype):
+    h, w = _inputs((1, 5, 2560), dtype)
+    x = torch.randn(1, 5, 2560, device=DEVICE).to(dtype)
+    total, normed = norm_triton.add_rms_norm(h, x, w, 1e-6, MODES[mode])
+    assert torch.equal(total, h + x) or interpreting()  # (the interpreter rounds bf16 toward zero)
+    _close(total, h + x)
+    _close(normed, norm_triton.reference(h + x, w, 1e-6, MODES[mode]))
+
+
+def test_add_and_norm_refuses_mismatched_inputs_and_the_gated_norm():
+    h, w = _inputs((2, 64), torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        norm_triton.add_rms_norm(h, h.to(torch.bfloat16), w, 1e-6)
+    with pytest.raises(ValueError, match="add_rms_norm"):
+        norm_triton.add_rms_norm(h, h, w, 1e-6, norm_triton.GATED)
+
+
+def test_a_layers_add_and_norm_is_the_add_then_the_norm():
+    """The torch form (CPU, or QFD_FUSED_ADD_NORM unset): exactly what the layer computed before."""
+    h, w = _inputs((1, 3, 64), torch.bfloat16, device="cpu")
+    x = torch.randn(1, 3, 64).to(torch.bfloat16)
+    norm = target.RMSNorm(64, 1e-6, zero_centered=True).to(torch.bfloat16)
+    total, normed = norm.add_and_norm(h, x)
+    assert torch.equal(total, h + x) and torch.equal(normed, norm(h + x))
 
 
 def test_a_gated_norm_without_a_matching_gate_is_refused():

@@ -41,9 +41,10 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, z_ptr, y_ptr, D, HEADS, sx_r, sx_h, sz_r, sz_h, eps,
-                         BD: tl.constexpr, MODE: tl.constexpr, ROUND_X: tl.constexpr):
+                         BD: tl.constexpr, MODE: tl.constexpr, ROUND_X: tl.constexpr, ADD: tl.constexpr = False, a_ptr=None, s_ptr=None):
         """Row `program_id(0)` of y [rows * HEADS, D] (contiguous) from x and z [rows, HEADS, D]
-        (strides sx_r, sx_h; 1 along D)."""
+        (strides sx_r, sx_h; 1 along D). ADD: x is first the rounded sum x + a (a contiguous [rows
+        * HEADS, D], stored to s as well): a residual add and the norm after it in one launch."""
         pid = tl.program_id(0)
         r = pid // HEADS
         hd = pid % HEADS
@@ -51,6 +52,9 @@ if HAVE_TRITON:
         mask = offs < D
         y_dtype = y_ptr.dtype.element_ty
         x = tl.load(x_ptr + r * sx_r + hd * sx_h + offs, mask=mask, other=0.0)
+        if ADD:  # as torch's h + x: float32 sum, rounded to the dtype
+            x = (x.to(tl.float32) + tl.load(a_ptr + pid * D + offs, mask=mask, other=0.0).to(tl.float32)).to(y_dtype)
+            tl.store(s_ptr + pid * D + offs, x, mask=mask)
         if ROUND_X:  # the torch form's cast of the input to the output's dtype, before the norm
             x = x.to(y_dtype)
         x = x.to(tl.float32)
@@ -75,6 +79,12 @@ def setting() -> str:
 
 def enabled() -> bool:
     return setting() != "0"
+
+
+def add_enabled() -> bool:
+    """QFD_FUSED_ADD_NORM=1: a decoder layer's residual add joins the norm after it
+    (`add_rms_norm`). Off by default: tested under Triton's interpreter, not yet timed on a GPU."""
+    return os.environ.get("QFD_FUSED_ADD_NORM", "0") == "1"
 
 
 @contextlib.contextmanager
@@ -127,6 +137,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = PLAI
         return y
 
     return launch_or_fallback("rms_norm", launch, lambda: reference(x, weight, eps, mode, gate, out_dtype))
+
+
+def add_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + x, its norm) in one launch for same-shaped, same-dtype h and x [..., D]; mode PLAIN
+    or ZERO_CENTERED."""
+    if h.shape != x.shape or h.dtype != x.dtype or mode == GATED:
+        raise ValueError(f"add_rms_norm: needs two {tuple(h.shape)} {h.dtype} inputs and a plain or zero-centered norm")
+    d = h.shape[-1]
+
+    def launch():
+        h2, x2 = h.reshape(-1, d).contiguous(), x.reshape(-1, d).contiguous()
+        total, y = torch.empty_like(h2), torch.empty_like(h2)
+        _rms_norm_kernel[(h2.shape[0],)](h2, weight, h2, y, d, 1, d, d, d, d, eps, BD=triton.next_power_of_2(d), MODE=mode, ROUND_X=False,
+                                         ADD=True, a_ptr=x2, s_ptr=total, num_warps=4 if d <= 1024 else 8)
+        return total.reshape(h.shape), y.reshape(h.shape)
+
+    def fallback():
+        total = h + x
+        return total, reference(total, weight, eps, mode)
+
+    return launch_or_fallback("add_rms_norm", launch, fallback)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = PLAIN, gate: torch.Tensor | None = None,

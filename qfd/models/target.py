@@ -150,6 +150,14 @@ class RMSNorm(nn.Module):
             return (h * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * h.to(x.dtype)
 
+    def add_and_norm(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + x, its norm): a residual add and this norm, one launch with QFD_FUSED_ADD_NORM=1
+        where the norm itself would run its kernel."""
+        if norm_triton.add_enabled() and h.dtype == x.dtype and norm_triton.use_kernel(h, self.weight, h.dtype):
+            return norm_triton.add_rms_norm(h, x, self.weight, self.eps, norm_triton.ZERO_CENTERED if self.zero_centered else norm_triton.PLAIN)
+        h = h + x
+        return h, self(h)
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: TargetConfig):
@@ -335,8 +343,8 @@ class DecoderLayer(nn.Module):
             x = self.linear_attn(x, None if cache is None else cache.gdn[self.index], None if tree is None else (tree.parents, tree.conv_index))
         else:
             x = self.self_attn(x, cos, sin, cache, self.index, positions, tree)
-        h = h + x
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, x = self.post_attention_layernorm.add_and_norm(h, x)
+        return h + self.mlp(x)
 
 
 class Body(nn.Module):
