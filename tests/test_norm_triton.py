@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qfd.kernels import interpreting, norm_triton
+import qfd.kernels
+from qfd.kernels import graphed_step, interpreting, norm_triton
 from qfd.models import drafter, gdn, target
 from tests.test_int4_triton import needs_triton
 
@@ -113,7 +114,7 @@ def test_the_reference_is_each_modules_torch_form(dtype):
 
 def test_modules_use_the_kernel_only_in_a_graphed_gpu_step_outside_compile(monkeypatch):
     x, w = _inputs((2, 64), torch.bfloat16, device="cpu")
-    with norm_triton.graphed_step():
+    with graphed_step():
         assert not norm_triton.use_kernel(x, w, x.dtype)  # a CPU tensor: torch's form
     if not torch.cuda.is_available():
         return
@@ -122,7 +123,7 @@ def test_modules_use_the_kernel_only_in_a_graphed_gpu_step_outside_compile(monke
     monkeypatch.setenv("QFD_FUSED_NORM", "all")
     assert norm_triton.use_kernel(xc, wc, xc.dtype) == norm_triton.HAVE_TRITON  # ... unless asked for the A/B
     monkeypatch.delenv("QFD_FUSED_NORM")
-    monkeypatch.setattr(norm_triton, "_graphed_depth", 1)
+    monkeypatch.setattr(qfd.kernels, "_graphed_depth", 1)
     assert norm_triton.use_kernel(xc, wc, xc.dtype) == norm_triton.HAVE_TRITON
     assert not norm_triton.use_kernel(xc, wc.float(), xc.dtype)  # torch would promote to float32
     monkeypatch.setenv("QFD_FUSED_NORM", "0")
@@ -133,12 +134,12 @@ def test_modules_use_the_kernel_only_in_a_graphed_gpu_step_outside_compile(monke
 
 
 def test_the_graphed_step_context_nests_and_unwinds():
-    assert norm_triton._graphed_depth == 0
+    assert not qfd.kernels.in_graphed_step()
     with pytest.raises(RuntimeError):
-        with norm_triton.graphed_step(), norm_triton.graphed_step():
-            assert norm_triton._graphed_depth == 2
+        with graphed_step(), graphed_step():
+            assert qfd.kernels._graphed_depth == 2
             raise RuntimeError
-    assert norm_triton._graphed_depth == 0
+    assert not qfd.kernels.in_graphed_step()
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and norm_triton.HAVE_TRITON), reason="the modules dispatch to the kernel in graphed CUDA steps only")

@@ -6,6 +6,7 @@ a torch op whose fallback computes the same result in float32 torch where a kern
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -28,6 +29,26 @@ def interpreting() -> bool:
 def runs_on(x) -> bool:
     """True when a Triton kernel can take the tensor `x`: Triton, and a CUDA tensor or the interpreter."""
     return HAVE_TRITON and (x.is_cuda or interpreting())
+
+
+_graphed_depth = 0  # > 0 inside `graphed_step`
+
+
+@contextlib.contextmanager
+def graphed_step():
+    """A step being warmed up and captured as a CUDA graph (`qfd.models.graphs.capture` enters
+    it): where the small elementwise kernels (norm_triton, rope_triton) run, since a replay pays
+    no Python launch cost and the eager paths stay as torch runs them."""
+    global _graphed_depth
+    _graphed_depth += 1
+    try:
+        yield
+    finally:
+        _graphed_depth -= 1
+
+
+def in_graphed_step() -> bool:
+    return _graphed_depth > 0
 
 
 # Kernels first timed on one GPU / Triton version may not compile on another. Those that are

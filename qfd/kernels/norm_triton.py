@@ -7,7 +7,7 @@ graphed INT4 decode ran 534 launches instead of 1551, 3.31 ms instead of 5.83 (H
 docs/benchmarks.md, twenty-second session). `use_kernel` keeps torch's form
 - under torch.compile: inductor fuses it with its neighbours (the residual add, the cast), which
   this opaque kernel would prevent;
-- outside a graphed step (`graphed_step`: qfd.models.graphs.capture's warm-up and capture): the
+- outside a graphed step (`qfd.kernels.graphed_step`: graphs.capture's warm-up and capture): the
   same run's eager 64-token prefill was slower with the kernel (164 vs 126 ms INT4, 121 vs 62 ms
   bf16; not explained - the eager prefill ran first and is CPU-bound, and it varied 69-126 ms
   between machines without the kernel), so eager paths stay as they were until measured apart
@@ -26,16 +26,14 @@ split or sliced input needs no copy.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
 
-from qfd.kernels import HAVE_TRITON, launch_or_fallback, tl, triton  # noqa: F401 (tl: the kernel)
+from qfd.kernels import HAVE_TRITON, in_graphed_step, launch_or_fallback, tl, triton  # noqa: F401 (tl: the kernel)
 
 PLAIN, ZERO_CENTERED, GATED = 0, 1, 2
 MAX_DIM = 4096
-_graphed_depth = 0  # > 0 inside `graphed_step`
 
 if HAVE_TRITON:
 
@@ -87,26 +85,15 @@ def add_enabled() -> bool:
     return os.environ.get("QFD_FUSED_ADD_NORM", "0") == "1"
 
 
-@contextlib.contextmanager
-def graphed_step():
-    """Norms inside run the kernel (CUDA tensors): a step being warmed up and captured as a CUDA graph."""
-    global _graphed_depth
-    _graphed_depth += 1
-    try:
-        yield
-    finally:
-        _graphed_depth -= 1
-
-
 def use_kernel(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether a module's norm of x runs `rms_norm`: not under torch.compile's tracing (checked
-    first, so the trace reads nothing else), inside `graphed_step`, a CUDA tensor, a weight
+    first, so the trace reads nothing else), inside `qfd.kernels.graphed_step`, a CUDA tensor, a weight
     already in the output's dtype (else torch's type promotion would give a float32 result the
     kernel does not reproduce), D within MAX_DIM (module docstring)."""
     if torch.compiler.is_compiling():
         return False
     where = setting()
-    return ((where == "all" or (where == "1" and _graphed_depth > 0)) and HAVE_TRITON and x.is_cuda and weight.dtype == out_dtype
+    return ((where == "all" or (where == "1" and in_graphed_step())) and HAVE_TRITON and x.is_cuda and weight.dtype == out_dtype
             and x.shape[-1] <= MAX_DIM)
 
 

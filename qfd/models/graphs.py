@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from qfd.kernels import norm_triton
+from qfd.kernels import graphed_step
 from qfd.models.drafter import store_context_kv
 from qfd.models.target import TargetOutput
 from qfd.quant import int4_linear
@@ -49,12 +49,12 @@ def capture(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
     every replay refills."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.inference_mode(), norm_triton.graphed_step():
+    with torch.cuda.stream(stream), torch.inference_mode(), graphed_step():
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.inference_mode(), norm_triton.graphed_step():
+    with torch.cuda.graph(graph), torch.inference_mode(), graphed_step():
         out = fn()
     return graph, out
 
