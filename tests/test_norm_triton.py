@@ -85,7 +85,7 @@ def test_a_layers_add_and_norm_is_the_add_then_the_norm():
     x = torch.randn(1, 3, 64).to(torch.bfloat16)
     norm = target.RMSNorm(64, 1e-6, zero_centered=True).to(torch.bfloat16)
     total, normed = norm.add_and_norm(h, x)
-    assert torch.equal(total, h + x) and torch.equal(normed, norm(h + x))
+    assert torch.equal(total, h + x) and torch.equal(normed, _spec(h + x, norm.weight, 1e-6, "zero_centered"))
 
 
 def test_a_gated_norm_without_a_matching_gate_is_refused():
@@ -94,22 +94,36 @@ def test_a_gated_norm_without_a_matching_gate_is_refused():
         norm_triton.rms_norm(x, w, 1e-6, norm_triton.GATED, torch.randn(4, 32))
 
 
+def _spec(x, w, eps, kind, gate=None):
+    """The norms as transformers writes them (Llama/Qwen3 RMSNorm, Qwen3.5's zero-centered one,
+    Qwen3_5RMSNormGated), independent of qfd's code."""
+    dtype = gate.dtype if kind == "gated" else x.dtype
+    h = x.to(dtype).float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if kind == "zero_centered":
+        return (h * (1.0 + w.float())).to(dtype)
+    h = w * h.to(dtype)
+    return (h * torch.nn.functional.silu(gate.float())).to(dtype) if kind == "gated" else h
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_reference_is_each_modules_torch_form(dtype):
-    """Bit for bit on the CPU: the kernel is checked against `reference`, so it must be the modules' own math."""
+def test_the_modules_torch_form_is_transformers_math(dtype):
+    """Bit for bit on the CPU: the modules' torch form (`norm_triton.reference`, which the kernel
+    is checked against) is each model's own norm."""
     x, w = _inputs((2, 7, 64), dtype, device="cpu")
     gate = torch.randn(2, 7, 64).to(dtype)
-    for module, mode in ((target.RMSNorm(64, 1e-6), norm_triton.PLAIN), (target.RMSNorm(64, 1e-6, zero_centered=True), norm_triton.ZERO_CENTERED),
-                         (drafter.RMSNorm(64, 1e-6), norm_triton.PLAIN)):
+    for module, kind in ((target.RMSNorm(64, 1e-6), "plain"), (target.RMSNorm(64, 1e-6, zero_centered=True), "zero_centered"),
+                         (drafter.RMSNorm(64, 1e-6), "plain")):
         module = module.to(dtype)
         with torch.no_grad():
             module.weight.copy_(w)
-        assert torch.equal(module(x), norm_triton.reference(x, module.weight, 1e-6, mode))
+        assert torch.equal(module(x), _spec(x, module.weight, 1e-6, kind))
+        assert torch.equal(norm_triton.reference(x, module.weight, 1e-6, MODES[kind]), _spec(x, module.weight, 1e-6, kind))
     gated = gdn.GatedRMSNorm(64, 1e-6).to(dtype)
     with torch.no_grad():
         gated.weight.copy_(w)
     core = x.float() * 1.5  # float32, as the GDN kernels return it
-    assert torch.equal(gated(core, gate), norm_triton.reference(core, gated.weight, 1e-6, norm_triton.GATED, gate))
+    assert torch.equal(gated(core, gate), _spec(core, gated.weight, 1e-6, "gated", gate))
 
 
 def test_modules_use_the_kernel_only_in_a_graphed_gpu_step_outside_compile(monkeypatch):

@@ -75,10 +75,6 @@ def setting() -> str:
     return value if value in ("0", "all") else "1"
 
 
-def enabled() -> bool:
-    return setting() != "0"
-
-
 def add_enabled() -> bool:
     """QFD_FUSED_ADD_NORM=1: a decoder layer's residual add joins the norm after it
     (`add_rms_norm`). Off by default: tested under Triton's interpreter, not yet timed on a GPU."""
@@ -95,6 +91,28 @@ def use_kernel(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) ->
     where = setting()
     return ((where == "all" or (where == "1" and in_graphed_step())) and HAVE_TRITON and x.is_cuda and weight.dtype == out_dtype
             and x.shape[-1] <= MAX_DIM)
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = PLAIN, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The norm modules' forward (target, drafter, Gated DeltaNet): the kernel where `use_kernel`
+    says, else torch's form (`reference`), which torch.compile fuses."""
+    if use_kernel(x, weight, gate.dtype if mode == GATED else x.dtype):
+        return rms_norm(x, weight, eps, mode, gate)
+    return reference(x, weight, eps, mode, gate)
+
+
+def add_and_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + x, its norm): a residual add and the norm after it, in one launch (`add_rms_norm`)
+    with QFD_FUSED_ADD_NORM=1 where the norm would run its kernel, else as two steps."""
+    if add_enabled() and h.dtype == x.dtype and use_kernel(h, weight, h.dtype):
+        return add_rms_norm(h, x, weight, eps, mode)
+    total = h + x
+    return total, norm(total, weight, eps, mode)
+
+
+def _meta(d: int) -> dict:
+    """Launch parameters for rows of d values: one power-of-two block, 8 warps past 1024."""
+    return dict(BD=triton.next_power_of_2(d), num_warps=4 if d <= 1024 else 8)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -120,7 +138,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = PLAI
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         grid = (x3.shape[0] * x3.shape[1],)
         _rms_norm_kernel[grid](x3, weight, z3, y, d, x3.shape[1], x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1), eps,
-                               BD=triton.next_power_of_2(d), MODE=mode, ROUND_X=x.dtype != out_dtype, num_warps=4 if d <= 1024 else 8)
+                               MODE=mode, ROUND_X=x.dtype != out_dtype, **_meta(d))
         return y
 
     return launch_or_fallback("rms_norm", launch, lambda: reference(x, weight, eps, mode, gate, out_dtype))
@@ -136,8 +154,7 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: fl
     def launch():
         h2, x2 = h.reshape(-1, d).contiguous(), x.reshape(-1, d).contiguous()
         total, y = torch.empty_like(h2), torch.empty_like(h2)
-        _rms_norm_kernel[(h2.shape[0],)](h2, weight, h2, y, d, 1, d, d, d, d, eps, BD=triton.next_power_of_2(d), MODE=mode, ROUND_X=False,
-                                         ADD=True, a_ptr=x2, s_ptr=total, num_warps=4 if d <= 1024 else 8)
+        _rms_norm_kernel[(h2.shape[0],)](h2, weight, h2, y, d, 1, d, d, d, d, eps, MODE=mode, ROUND_X=False, ADD=True, a_ptr=x2, s_ptr=total, **_meta(d))
         return total.reshape(h.shape), y.reshape(h.shape)
 
     def fallback():
@@ -149,7 +166,7 @@ def add_rms_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: fl
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = PLAIN, gate: torch.Tensor | None = None,
               out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The modules' torch form, with the same rounding points as the kernel."""
+    """The modules' torch form (what they ran before the kernel), with its rounding points."""
     dtype = gate.dtype if mode == GATED else (out_dtype or x.dtype)
     h = x.to(dtype).float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

@@ -136,12 +136,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if norm_triton.use_kernel(x, self.weight, x.dtype):  # one launch where torch.compile does not fuse the form below
-            return norm_triton.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return norm_triton.norm(x, self.weight, self.eps)  # w * norm(x), cast before the weight
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

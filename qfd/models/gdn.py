@@ -217,13 +217,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = gate.dtype
-        if norm_triton.use_kernel(x, self.weight, dtype):  # one launch (cast included) where torch.compile does not fuse the form below
-            return norm_triton.rms_norm(x, self.weight, self.eps, norm_triton.GATED, gate)
-        h = x.to(dtype).float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
-        return (h * F.silu(gate.float())).to(dtype)
+        return norm_triton.norm(x, self.weight, self.eps, norm_triton.GATED, gate)
 
 
 class GatedDeltaNet(nn.Module):

@@ -141,22 +141,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centered else torch.ones(dim))
         self.eps, self.zero_centered = eps, zero_centered
 
+    @property
+    def mode(self) -> int:
+        return norm_triton.ZERO_CENTERED if self.zero_centered else norm_triton.PLAIN
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if norm_triton.use_kernel(x, self.weight, x.dtype):  # one launch where torch.compile does not fuse the form below
-            return norm_triton.rms_norm(x, self.weight, self.eps, norm_triton.ZERO_CENTERED if self.zero_centered else norm_triton.PLAIN)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.zero_centered:
-            return (h * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * h.to(x.dtype)
+        return norm_triton.norm(x, self.weight, self.eps, self.mode)  # one launch in a graphed step, else torch's form
 
     def add_and_norm(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + x, its norm): a residual add and this norm, one launch with QFD_FUSED_ADD_NORM=1
-        where the norm itself would run its kernel."""
-        if norm_triton.add_enabled() and h.dtype == x.dtype and norm_triton.use_kernel(h, self.weight, h.dtype):
-            return norm_triton.add_rms_norm(h, x, self.weight, self.eps, norm_triton.ZERO_CENTERED if self.zero_centered else norm_triton.PLAIN)
-        h = h + x
-        return h, self(h)
+        """(h + x, its norm): a residual add and this norm (`norm_triton.add_and_norm`)."""
+        return norm_triton.add_and_norm(h, x, self.weight, self.eps, self.mode)
 
 
 class Attention(nn.Module):
