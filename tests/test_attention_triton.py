@@ -119,6 +119,22 @@ def test_kernel_matches_the_reference(B, H, KVH, T, S, D, kind, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("T,kind", [(1, "decode"), (5, "tree")])
+def test_the_merge_applies_an_output_gate_as_the_torch_form(T, kind, monkeypatch):
+    """Qwen3.5's output gate in the merge kernel: out * sigmoid(gate), gate a strided view (the
+    query projection's interleaved [query | gate] halves)."""
+    from qfd import kernels
+
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    q, k, v, mask = attention_inputs(1, 8, 2, T, 300, 64, kind, device=KERNEL_DEVICE)
+    gate = torch.randn(1, T, 8, 128, device=KERNEL_DEVICE)[..., 64:] * 3
+    out = attention_triton.split_attention(q, k, v, mask, gate=gate)
+    assert not kernels._FAILED
+    want = reference_attention(q, k, v, mask) * torch.sigmoid(gate).transpose(1, 2)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
 @pytest.mark.parametrize(
     "T,S,filled,kind",
     [

@@ -155,11 +155,14 @@ if _HAVE_TRITON:
     def _merge_kernel(
         acc_ptr, ml_ptr, count_ptr, out_ptr, T, S, R, KVH, GROUP, SPLITS, so_b, so_t, so_h,
         D: tl.constexpr, BD: tl.constexpr, SP: tl.constexpr, BS: tl.constexpr, HAS_COUNT: tl.constexpr,
+        HAS_GATE: tl.constexpr = False, g_ptr=None, sg_b=0, sg_t=0, sg_h=0,
     ):
         """Program (b * KVH + kv head, row, D block): that row's partials of every split that
         held live keys in one [SP, BD] load (SP >= SPLITS), rescaled to their common max,
         summed, normalised and written as out [B, T, H, D] in out's dtype. One program per row
-        and D block: the merge is a single memory round trip, not a walk over the splits."""
+        and D block: the merge is a single memory round trip, not a walk over the splits.
+        HAS_GATE: times sigmoid(gate) (Qwen3.5's output gate, [B, T, H, D] at strides sg_*), with the
+        torch form's roundings: round(round(out) * round(sigmoid(gate)))."""
         pid_bh = tl.program_id(0)
         row = tl.program_id(1)
         b = pid_bh // KVH
@@ -176,7 +179,11 @@ if _HAVE_TRITON:
         total = tl.sum(weight * l, axis=0)
         out = tl.sum(part * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
         head = kvh * GROUP + row // T
-        tl.store(out_ptr + b * so_b + (row % T) * so_t + head * so_h + offs_d, out.to(out_ptr.dtype.element_ty))
+        dt = out_ptr.dtype.element_ty
+        if HAS_GATE:
+            g = tl.load(g_ptr + b * sg_b + (row % T) * sg_t + head * sg_h + offs_d).to(tl.float32)
+            out = out.to(dt).to(tl.float32) * (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(out_ptr + b * so_b + (row % T) * so_t + head * so_h + offs_d, out.to(dt))
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,9 +206,10 @@ def launch_shape(batch: int, kv_heads: int, rows: int, keys: int, processors: in
 
 
 @torch.library.custom_op("qfd::split_attention", mutates_args=())
-def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, key_count: torch.Tensor | None = None) -> torch.Tensor:
+def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, key_count: torch.Tensor | None = None,
+                       gate: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel pair as one opaque torch op (torch.compile keeps it whole). Returns [B, T, H, D]
-    contiguous (the layout o_proj reads)."""
+    contiguous (the layout o_proj reads); times sigmoid(gate) [B, T, H, D] where one is given."""
 
     def launch():
         B, H, T, D = q.shape
@@ -228,28 +236,32 @@ def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         _merge_kernel[(B * kv_heads, rows, D // block_d)](
             acc, max_sum, count, out, T, S, rows, kv_heads, group, splits, out.stride(0), out.stride(1), out.stride(2),
             D=D, BD=block_d, SP=max(16, triton.next_power_of_2(splits)), BS=block_keys, HAS_COUNT=key_count is not None, num_warps=4,
+            **({} if gate is None else dict(HAS_GATE=True, g_ptr=gate, sg_b=gate.stride(0), sg_t=gate.stride(1), sg_h=gate.stride(2))),
         )
         return out
 
     def torch_path():  # where the kernels failed: the served torch attention, in this op's layout
         from qfd.models.target import grouped_attention  # (target.py imports this module)
 
-        return grouped_attention(q, k, v, mask).transpose(1, 2).contiguous()
+        out = grouped_attention(q, k, v, mask).transpose(1, 2).contiguous()
+        return out if gate is None else out * torch.sigmoid(gate)
 
     return launch_or_fallback("split_attention", launch, torch_path)
 
 
 @split_attention_op.register_fake
-def _split_attention_fake(q, k, v, mask, key_count=None):
+def _split_attention_fake(q, k, v, mask, key_count=None, gate=None):
     B, H, T, D = q.shape
     return q.new_empty(B, T, H, D)
 
 
-def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, key_count: torch.Tensor | None = None) -> torch.Tensor:
+def split_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, key_count: torch.Tensor | None = None,
+                    gate: torch.Tensor | None = None) -> torch.Tensor:
     """Step attention through the kernels: q [B, H, T, D], k/v [B, KVH, S, D] (a cache buffer,
     read in place), mask [T, S] bool. key_count: an integer tensor [1] on q's device, the number
     of leading keys the mask can show (the step's last position + 1; keys from there on must be
     masked): the kernels read only those, so a step at a short context in a long static cache
     does not stream the whole buffer. A tensor, not a Python int, so a CUDA graph replays it at
-    any position. Returns [B, H, T, D] (a transposed view of [B, T, H, D])."""
-    return split_attention_op(q, k, v, mask, key_count).transpose(1, 2)
+    any position. gate [B, T, H, D] (unit stride along D): the output times sigmoid(gate), in the
+    merge kernel. Returns [B, H, T, D] (a transposed view of [B, T, H, D])."""
+    return split_attention_op(q, k, v, mask, key_count, gate).transpose(1, 2)

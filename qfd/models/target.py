@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qfd.errors import QfdError
-from qfd.kernels import attention_triton, norm_triton
+from qfd.kernels import attention_inputs_triton, attention_triton, norm_triton
 from qfd.models import rope as rope_math
 from qfd.models.cache import GDNState, TargetCache
 from qfd.models.gdn import GatedDeltaNet, tree_structure
@@ -132,6 +132,31 @@ class TreeStep(NamedTuple):
     conv_index: torch.Tensor | None
 
 
+class StepKeys(NamedTuple):
+    """What a step's attention layers share (`step_keys`, once per forward instead of once per
+    layer): token i's K/V go to cache slot slots[i]; it sees the keys visible[i] marks; no key from
+    slot key_count on is visible (the static cache's unfilled tail: the kernels need not read it)."""
+
+    slots: torch.Tensor
+    visible: torch.Tensor
+    key_count: torch.Tensor
+
+
+def step_keys(cache: TargetCache | None, positions: torch.Tensor, tree: TreeStep | None) -> StepKeys | None:
+    """The step's StepKeys; None without a cache or for a prompt (more tokens than a step takes:
+    `prompt_attention` over the filled keys)."""
+    if cache is None:
+        return None
+    if tree is not None:
+        return StepKeys(tree.slots, tree.visible, tree.slots[-1:] + 1)
+    steps = positions.shape[0]
+    if PROMPT_ATTENTION and cache.prompt_start(steps) is not None:
+        return None
+    # a key is visible to a query when its position is not after the query's
+    visible = torch.arange(cache.key_count(steps), device=positions.device)[None, :] <= positions[:, None]
+    return StepKeys(positions, visible, positions[-1:] + 1)
+
+
 class RMSNorm(nn.Module):
     """Llama/Qwen3: w * norm(x) (cast before the weight); Qwen3.5 (`zero_centered`):
     (1 + w) * norm(x) in float32, then cast."""
@@ -173,9 +198,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, cache: TargetCache | None, layer: int, positions: torch.Tensor, tree: TreeStep | None = None) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: TargetCache | None, layer: int, positions: torch.Tensor, step: StepKeys | None = None) -> torch.Tensor:
         """x: [B, T, hidden]; cos/sin: [T, rotary_dim]; positions: [T] absolute positions.
-        tree: a draft tree's slots and visibility (TreeStep) instead of a causal block."""
+        step: a decode / verify / tree step's cache slots and visible keys (`step_keys`), computed
+        once per forward; None for a forward without a cache or a prompt's."""
         B, T, _ = x.shape
         if self.qkv_proj is None:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -184,34 +210,39 @@ class Attention(nn.Module):
         q = q.view(B, T, self.heads, -1)
         gate = None
         if self.gated:
-            q, gate = q.chunk(2, dim=-1)
-            gate = gate.reshape(B, T, -1)
+            q, gate = q.chunk(2, dim=-1)  # [B, T, heads, hd] each
         k = k.view(B, T, self.kv_heads, self.head_dim)
-        v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.kv_heads, self.head_dim)
+        if step is not None and cache.static and attention_inputs_triton.use_kernel(q, cos, cache.k[layer]):
+            # norms, rotary and the K/V cache writes in one launch; the output gate in the merge kernel
+            keys, values = cache.k[layer], cache.v[layer]
+            q = attention_inputs_triton.prepare(q, k, v, self.q_norm, self.k_norm, cos, sin, keys, values, step.slots)
+            if attention_triton.takes(q):
+                out, gate = attention_triton.split_attention(q, keys, values, step.visible, step.key_count, gate), None
+            else:
+                out = grouped_attention(q, keys, values, step.visible)
+        else:
+            out = self._attention(q, k, v.transpose(1, 2), cos, sin, cache, layer, positions, step)
+        out = out.transpose(1, 2).reshape(B, T, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(out)
+
+    def _attention(self, q, k, v, cos, sin, cache: TargetCache | None, layer: int, positions: torch.Tensor, step: StepKeys | None) -> torch.Tensor:
+        """The torch form from the projections to the attention's output [B, heads, T, hd]."""
+        T = q.shape[1]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope_math.apply_rope(q.transpose(1, 2), cos, sin)  # [B, heads, T, hd]
         k = rope_math.apply_rope(k.transpose(1, 2), cos, sin)
-        gqa = self.heads != self.kv_heads
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            keys, values = cache.write_kv(layer, k, v, positions if tree is None else tree.slots)
-            start = cache.prompt_start(T) if tree is None and PROMPT_ATTENTION else None
-            if start is not None:  # a prompt: fused attention over the filled keys only
-                out = prompt_attention(q, keys[:, :, : start + T], values[:, :, : start + T], start)
-            else:
-                if tree is None:  # a key is visible to a query when its position is not after the query's
-                    mask, slots = torch.arange(keys.shape[2], device=x.device)[None, :] <= positions[:, None], positions
-                else:
-                    mask, slots = tree.visible, tree.slots
-                # key count = the step's last slot + 1: no key from there on is visible (the static
-                # cache's unfilled tail), so the kernels need not read it
-                out = step_attention(q, keys, values, mask, slots[-1:] + 1)
-        out = out.transpose(1, 2).reshape(B, T, -1)
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.heads != self.kv_heads)
+        if step is None:  # a prompt: fused attention over the filled keys only
+            keys, values = cache.write_kv(layer, k, v, positions)
+            start = cache.prompt_start(T)
+            return prompt_attention(q, keys[:, :, : start + T], values[:, :, : start + T], start)
+        keys, values = cache.write_kv(layer, k, v, step.slots)
+        return step_attention(q, keys, values, step.visible, step.key_count)
 
 
 def tree_visibility(num_keys: int, slots: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
@@ -332,13 +363,26 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, zero_centered)
 
     def forward(self, h, cos, sin, cache: TargetCache | None, positions: torch.Tensor, tree: TreeStep | None = None) -> torch.Tensor:
-        x = self.input_layernorm(h)
+        _, h, mlp_out = self.parts(h, None, cos, sin, cache, positions, tree, step_keys(cache, positions, tree))
+        return h + mlp_out
+
+    def parts(self, h, residual, cos, sin, cache: TargetCache | None, positions: torch.Tensor, tree: TreeStep | None,
+              step: StepKeys | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer with its residual adds joined to the norms after them (`RMSNorm.add_and_norm`:
+        one launch each with QFD_FUSED_ADD_NORM=1): h + residual (the previous layer's MLP output,
+        or None) is this layer's input. Returns (that input - the previous layer's output, which
+        taps read -, h after attention, the MLP's output: the next layer adds them)."""
+        if residual is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = self.input_layernorm.add_and_norm(h, residual)
+        layer_input = h
         if self.kind == "linear_attention":
             x = self.linear_attn(x, None if cache is None else cache.gdn[self.index], None if tree is None else (tree.parents, tree.conv_index))
         else:
-            x = self.self_attn(x, cos, sin, cache, self.index, positions, tree)
+            x = self.self_attn(x, cos, sin, cache, self.index, positions, step)
         h, x = self.post_attention_layernorm.add_and_norm(h, x)
-        return h + self.mlp(x)
+        return layer_input, h, self.mlp(x)
 
 
 class Body(nn.Module):
@@ -455,15 +499,18 @@ class TargetModel(nn.Module):
         if len(wanted) != len(tap_layers) or not all(0 <= i < len(self.model.layers) for i in wanted):
             raise ValueError(f"tap_layers {tuple(tap_layers)} must be distinct layer indices in [0, {len(self.model.layers)})")
         taps: list[torch.Tensor | None] = [None] * len(wanted)
+        step = step_keys(cache, positions, tree)
+        residual = None  # the last layer's MLP output, added in the next norm's launch
         for layer in self.model.layers:
-            h = layer(h, cos, sin, cache, positions, tree)
-            if layer.index in wanted:
-                taps[wanted[layer.index]] = h
+            layer_input, h, residual = layer.parts(h, residual, cos, sin, cache, positions, tree, step)
+            if layer.index - 1 in wanted:
+                taps[wanted[layer.index - 1]] = layer_input
+        h, normed = self.model.norm.add_and_norm(h, residual)
         last = len(self.model.layers) - 1
         if last in wanted:
             # transformers' hidden_states[-1] is the final-normed output, not the raw layer's
-            taps[wanted[last]] = self.model.norm(h)
+            taps[wanted[last]] = normed
         if last_only:
-            h = h[:, -1:]
-        logits = self.lm_head(self.model.norm(h))
+            normed = normed[:, -1:]
+        logits = self.lm_head(normed)
         return TargetOutput(logits=logits, taps=torch.cat(taps, dim=-1) if taps else None)
