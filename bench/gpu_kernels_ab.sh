@@ -30,10 +30,10 @@
 #                (fused, the GDN conv window built channels last: QFD_GDN_WINDOW=channels_last), fused_norm_off
 #                (fused, every RMSNorm in torch's ops also uncompiled, as before the twenty-second session: QFD_FUSED_NORM=0),
 #                fused_norm_eager (fused, the one-launch RMSNorm in the eager prefill too: QFD_FUSED_NORM=all),
-#                fused_add_norm (fused, a layer's residual add joined to the norm after it: QFD_FUSED_ADD_NORM=1),
 #                fused_rope (fused, each attention layer's q and k rotated in one launch each: QFD_FUSED_ROPE=1),
-#                fused_qkv (fused, an attention step's q/k norms, rotary and K/V cache writes in one launch and its
-#                output gate in the merge kernel: QFD_FUSED_QKV=1), launch_cuts (fused_add_norm and fused_qkv together)
+#                add_norm_off (fused, a layer's residual adds apart from the norms after them, as before the
+#                twenty-third session: QFD_FUSED_ADD_NORM=0), qkv_off (fused, an attention step's q/k norms, rotary,
+#                K/V cache writes and output gate in torch's launches: QFD_FUSED_QKV=0), launch_cuts_off (both)
 #   TESTS_K      a pytest -k expression for the kernels' tests first (TESTS_K=none: no tests)
 #   INT4_AB=1    first: bench_int4_kernels.py --ab --rows 1,16,32 (each INT4 linear shape: the served
 #                launch config vs the magic operand, the tensor-core path for one row, 32-row blocks;
@@ -51,7 +51,7 @@ limit=${STEPS_FIRST_S:-$(( ${STEPS_S:-150} + 120 ))}
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=1 prefetch=0 rollback=one_launch history=states gated=1 window=channels_first norm=1 add_norm=0 rope=0 qkv=0
+    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=1 prefetch=0 rollback=one_launch history=states gated=1 window=channels_first norm=1 add_norm=1 rope=0 qkv=1
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
     [ "$variant" = gdn_chunk_verify ] && verify=chunk
@@ -69,10 +69,9 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = window_channels_last ] && window=channels_last
     [ "$variant" = fused_norm_off ] && norm=0
     [ "$variant" = fused_norm_eager ] && norm=all
-    [ "$variant" = fused_add_norm ] && add_norm=1
     [ "$variant" = fused_rope ] && rope=1
-    case $variant in fused_qkv|launch_cuts) qkv=1 ;; esac
-    [ "$variant" = launch_cuts ] && add_norm=1
+    case $variant in qkv_off|launch_cuts_off) qkv=0 ;; esac
+    case $variant in add_norm_off|launch_cuts_off) add_norm=0 ;; esac
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"

@@ -78,10 +78,10 @@ def test_the_reference_is_the_attention_layers_own_torch_form():
     torch.testing.assert_close(caches[1][:, :, :3], v.transpose(1, 2))
 
 
-def test_the_kernel_runs_only_when_switched_on_in_a_graphed_gpu_step(monkeypatch):
+def test_the_kernel_runs_only_in_a_graphed_gpu_step_unless_switched_off(monkeypatch):
     q = torch.zeros(1, 1, 2, 64)
     cos = torch.zeros(1, 32)
-    monkeypatch.setenv("QFD_FUSED_QKV", "1")
+    monkeypatch.delenv("QFD_FUSED_QKV", raising=False)  # on by default
     with qfd.kernels.graphed_step():
         assert not inputs_triton.use_kernel(q, cos, q)  # CPU tensors: torch's form
     if not torch.cuda.is_available():
@@ -94,8 +94,9 @@ def test_the_kernel_runs_only_when_switched_on_in_a_graphed_gpu_step(monkeypatch
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         assert not inputs_triton.use_kernel(qc, cc, qc)
     monkeypatch.undo()
+    monkeypatch.setenv("QFD_FUSED_QKV", "0")
     with qfd.kernels.graphed_step():
-        assert not inputs_triton.use_kernel(qc, cc, qc)  # off by default
+        assert not inputs_triton.use_kernel(qc, cc, qc)  # switched off
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and qfd.kernels.HAVE_TRITON), reason="the modules use the kernels in graphed CUDA steps only")

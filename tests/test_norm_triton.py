@@ -80,7 +80,7 @@ def test_add_and_norm_refuses_mismatched_inputs_and_the_gated_norm():
 
 
 def test_a_layers_add_and_norm_is_the_add_then_the_norm():
-    """The torch form (CPU, or QFD_FUSED_ADD_NORM unset): exactly what the layer computed before."""
+    """The torch form (CPU, or QFD_FUSED_ADD_NORM=0): exactly what the layer computed before."""
     h, w = _inputs((1, 3, 64), torch.bfloat16, device="cpu")
     x = torch.randn(1, 3, 64).to(torch.bfloat16)
     norm = target.RMSNorm(64, 1e-6, zero_centered=True).to(torch.bfloat16)

@@ -11,8 +11,12 @@ write K and V into the cache. Here one launch does all of it: the program for (t
 Rounding points are the modules': the norm rounds to the dtype (`norm_triton.reference`), the
 rotation then rounds x * cos and rotate_half(x) * sin and their sum (`qfd.models.rope.apply_rope`).
 
-QFD_FUSED_QKV=1 turns it on inside graphed steps (`qfd.kernels.graphed_step`), not under
-torch.compile (inductor fuses the torch form). Off by default until timed on a GPU.
+It runs inside graphed steps (`qfd.kernels.graphed_step`), not under torch.compile (inductor
+fuses the torch form); with it the layer also hands Qwen3.5's output gate to the attention's merge
+kernel (`attention_triton.split_attention(gate=...)`) instead of a copy, a sigmoid and a product.
+Graphed uncompiled INT4 decode on the H100: 2.661 ms with it vs 2.992 without (513 -> 369
+launches), 2.569 with the residual adds joined to the norms too (docs/benchmarks.md,
+twenty-third session). QFD_FUSED_QKV=0 turns it off.
 """
 
 from __future__ import annotations
@@ -91,8 +95,8 @@ if HAVE_TRITON:
 
 
 def enabled() -> bool:
-    """QFD_FUSED_QKV=1 (read at each call: the A/B bench switches it)."""
-    return os.environ.get("QFD_FUSED_QKV", "0") == "1"
+    """On unless QFD_FUSED_QKV=0 (read at each call: the A/B bench switches it)."""
+    return os.environ.get("QFD_FUSED_QKV", "1") != "0"
 
 
 def use_kernel(q: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor) -> bool:

@@ -76,9 +76,11 @@ def setting() -> str:
 
 
 def add_enabled() -> bool:
-    """QFD_FUSED_ADD_NORM=1: a decoder layer's residual add joins the norm after it
-    (`add_rms_norm`). Off by default: tested under Triton's interpreter, not yet timed on a GPU."""
-    return os.environ.get("QFD_FUSED_ADD_NORM", "0") == "1"
+    """A decoder layer's two residual adds join the norms after them (`add_rms_norm`: 65 launches
+    less a Qwen3.5-4B step). On by default: graphed uncompiled INT4 decode 2.878 vs 2.992 ms with it
+    alone, 2.569 with QFD_FUSED_QKV too (H100, docs/benchmarks.md, twenty-third session);
+    QFD_FUSED_ADD_NORM=0 turns it off."""
+    return os.environ.get("QFD_FUSED_ADD_NORM", "1") != "0"
 
 
 def use_kernel(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> bool:
@@ -103,7 +105,7 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = PLAIN, g
 
 def add_and_norm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float, mode: int = PLAIN) -> tuple[torch.Tensor, torch.Tensor]:
     """(h + x, its norm): a residual add and the norm after it, in one launch (`add_rms_norm`)
-    with QFD_FUSED_ADD_NORM=1 where the norm would run its kernel, else as two steps."""
+    where the norm would run its kernel (unless QFD_FUSED_ADD_NORM=0), else as two steps."""
     if add_enabled() and h.dtype == x.dtype and use_kernel(h, weight, h.dtype):
         return add_rms_norm(h, x, weight, eps, mode)
     total = h + x

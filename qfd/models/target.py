@@ -369,7 +369,7 @@ class DecoderLayer(nn.Module):
     def parts(self, h, residual, cos, sin, cache: TargetCache | None, positions: torch.Tensor, tree: TreeStep | None,
               step: StepKeys | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer with its residual adds joined to the norms after them (`RMSNorm.add_and_norm`:
-        one launch each with QFD_FUSED_ADD_NORM=1): h + residual (the previous layer's MLP output,
+        one launch each in graphed steps): h + residual (the previous layer's MLP output,
         or None) is this layer's input. Returns (that input - the previous layer's output, which
         taps read -, h after attention, the MLP's output: the next layer adds them)."""
         if residual is None:
