@@ -138,6 +138,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return norm_triton.norm(x, self.weight, self.eps)  # w * norm(x), cast before the weight
 
+    def add_and_norm(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + x, its norm): one launch in a graphed step (`norm_triton.add_and_norm`)."""
+        return norm_triton.add_and_norm(h, x, self.weight, self.eps)
+
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """positions: [..., T] long -> cos, sin [..., T, head_dim] (HF/neox half-rotation layout)."""
@@ -170,8 +174,9 @@ class DrafterAttention(nn.Module):
         self.kv_proj: nn.Module | None = None
         self.kv_sizes: tuple[int, ...] = ()
 
-    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [b, T, H] (context features or normed block states), positions [b or 1, T].
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [b, T, H] (context features or normed block states), positions [b or 1, T]; rope:
+        their (cos, sin) where the caller computed them once for every layer (`rope_cos_sin`).
         Returns k, v: [b, kv_heads, T, d] (k normed and rotated)."""
         b, t, _ = x.shape
         d = self.cfg.head_dim
@@ -181,18 +186,20 @@ class DrafterAttention(nn.Module):
             k, v = torch.split(self.kv_proj(x), self.kv_sizes, dim=-1)
         k = self.k_norm(k.view(b, t, -1, d)).transpose(1, 2)
         v = v.view(b, t, -1, d).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, d, self.cfg.rope_theta, k.dtype)
+        cos, sin = rope if rope is not None else rope_cos_sin(positions, d, self.cfg.rope_theta, k.dtype)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, mask: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [b, Q, H] normed block states at `positions` [b or 1, Q]; k_ctx/v_ctx: [b, kv, C, d]
-        context keys/values already projected; mask: bool [Q, C + Q] or None (all visible)."""
+        context keys/values already projected; mask: bool [Q, C + Q] or None (all visible);
+        rope: the positions' (cos, sin), computed once for every layer (else here)."""
         b, q_len, _ = x.shape
         d = self.cfg.head_dim
         q = self.q_norm(self.q_proj(x).view(b, q_len, -1, d)).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, d, self.cfg.rope_theta, q.dtype)
-        q = apply_rope(q, cos, sin)
-        k_blk, v_blk = self.project_kv(x, positions)
+        rope = rope if rope is not None else rope_cos_sin(positions, d, self.cfg.rope_theta, q.dtype)
+        q = apply_rope(q, *rope)
+        k_blk, v_blk = self.project_kv(x, positions, rope)
         k = torch.cat([k_ctx.to(k_blk.dtype), k_blk], dim=2)
         v = torch.cat([v_ctx.to(v_blk.dtype), v_blk], dim=2)
         if (mask is None or mask.dim() == 2) and not torch.is_grad_enabled() and attention_triton.takes(q):
@@ -234,9 +241,9 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, positions, k_ctx, v_ctx, mask):
-        h = h + self.self_attn(self.input_layernorm(h), positions, k_ctx, v_ctx, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, positions, k_ctx, v_ctx, mask, rope=None):
+        h, x = self.post_attention_layernorm.add_and_norm(h, self.self_attn(self.input_layernorm(h), positions, k_ctx, v_ctx, mask, rope))
+        return h + self.mlp(x)
 
 
 class DrafterCache:
@@ -359,7 +366,9 @@ class DFlashDrafter(nn.Module):
     def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's context (k, v) [batch, kv, n, d] of `taps` at `positions` [n], not stored."""
         ctx = self.fuse(taps)
-        return [layer.self_attn.project_kv(ctx, positions.view(1, -1)) for layer in self.layers]
+        positions = positions.view(1, -1)
+        rope = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, ctx.dtype)  # once, not per layer
+        return [layer.self_attn.project_kv(ctx, positions, rope) for layer in self.layers]
 
     @torch.no_grad()
     def draft(self, cache: DrafterCache, first_token, start_pos: int, embed: Callable, head: Callable, return_logits: bool = False, num_drafts: int | None = None, block_len: int | None = None):
@@ -391,8 +400,9 @@ class DFlashDrafter(nn.Module):
         h = self._block_inputs(first, embed, n)
         positions = torch.arange(start_pos, start_pos + n, device=device).view(1, -1)
         lo = context_window_start(start_pos, self.cfg.sliding_window)
+        rope = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)  # once, not twice per layer
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions, cache.k[i, :, :, lo:start_pos], cache.v[i, :, :, lo:start_pos], None)
+            h = layer(h, positions, cache.k[i, :, :, lo:start_pos], cache.v[i, :, :, lo:start_pos], None, rope)
         hidden = self.norm(h[:, 1 : 1 + k])  # the final norm is per position: slicing first is exact
         weight = getattr(head, "weight", None)
         logits = head(hidden.to(weight.dtype) if weight is not None else hidden)

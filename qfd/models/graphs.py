@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from qfd.kernels import graphed_step
-from qfd.models.drafter import store_context_kv
+from qfd.models.drafter import rope_cos_sin, store_context_kv
 from qfd.models.target import TargetOutput
 from qfd.quant import int4_linear
 
@@ -227,10 +227,11 @@ class StaticDraftStep:
         mask = torch.cat([visible, torch.ones_like(self.block_offsets, dtype=torch.bool)]).expand(self.block_len, -1)
         h = d._block_inputs(self.first, self.embed, self.block_len)
         positions = (self.start + self.block_offsets).view(1, -1)
+        rope = rope_cos_sin(positions, d.cfg.head_dim, d.cfg.rope_theta, h.dtype)  # once, not twice per layer
         for i, layer in enumerate(d.layers):
             k_ctx = cache.k[i] if whole else cache.k[i].index_select(2, index)
             v_ctx = cache.v[i] if whole else cache.v[i].index_select(2, index)
-            h = layer(h, positions, k_ctx, v_ctx, mask)
+            h = layer(h, positions, k_ctx, v_ctx, mask, rope)
         hidden = d.norm(h[:, 1 : 1 + self.num_drafts])
         weight = getattr(self.head, "weight", None)
         logits = self.head(hidden.to(weight.dtype) if weight is not None else hidden)
