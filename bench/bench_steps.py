@@ -436,7 +436,7 @@ def main() -> None:
     p.add_argument("--tree", type=int, default=0, metavar="N", help="also time a draft-tree verify of N tokens + keeping one path (qfd.tree), per setting")
     p.add_argument("--targets-only", action="store_true", help="time the targets only (no drafter, no ledger)")
     p.add_argument("--no-compile-drafter", action="store_true", help="with --compile: compile the targets' steps only (the drafter's stay graphed, uncompiled; saves its compiles)")
-    p.add_argument("--compile-final-drafter", action="store_true", help="with --compile --no-compile-drafter: also time the last drafter (INT4, W = 1024) with its draft step compiled, as one more ledger row (one compile per context)")
+    p.add_argument("--compile-final-drafter", action="store_true", help="also time the last drafter (INT4, W = 1024) with its draft step compiled, as one more ledger row (one compile per context): with --compile --no-compile-drafter, or without --compile (the targets' steps graphed, uncompiled - the Engine's default)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N", help="also time the last drafter with its LM head over N ids (--draft-vocab N when served), as one more ledger row at the same tau")
     p.add_argument("--drafter-ab", action="store_true", help="only the last drafter (INT4, W = 1024; compiled with --compile) at 64/1K/8K context: torch attention + graphed append vs the split-KV attention + compiled append, side by side")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated latency settings to time (default all: short,medium,long)")
@@ -471,7 +471,7 @@ def main() -> None:
         import qfd.models.cache
 
         qfd.models.cache.FUSED_CONV = False
-    if args.compile:  # each size x drafter variant x context recompiles the same code object: room for all
+    if args.compile or args.compile_final_drafter:  # each size x drafter variant x context recompiles the same code object: room for all
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 512)
     # Room for the longest prompt plus the 300 positions the decode/verify timings advance
@@ -517,7 +517,7 @@ def main() -> None:
         torch.manual_seed(1)
         vocab_head = DraftVocabHead.of_target(int4, torch.randperm(shape["vocab_size"], device=device)[: args.draft_vocab])
     drafter_costs(shape, int4.embed, int4.head, device, dtype, args.block, measure, contexts, num_drafts=draft_len, compile_steps=args.compile and not args.no_compile_drafter, group_size=args.group_size, kernel=args.int4_kernel, out=results["drafter"], on_update=save, fuse=fuse,
-                  compile_final=args.compile and args.compile_final_drafter, vocab_head=vocab_head, profile=args.profile)
+                  compile_final=args.compile_final_drafter, vocab_head=vocab_head, profile=args.profile)
     if device.type == "cuda":
         results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     save()
