@@ -109,6 +109,26 @@ def test_last_only_and_static_cache(pairs, family):
         torch.testing.assert_close(model(ids[:, 8:], cache).logits, full[:, 8:], atol=ATOL, rtol=0)
 
 
+@torch.no_grad()
+def test_a_steps_keys_are_built_once_per_forward_as_each_layer_built_them(pairs):
+    """StepKeys (once per forward): a step's slots are its positions, a key is visible to a query
+    at a position not after it, the key count is the last slot + 1; a prompt (more tokens than a
+    step takes) and a forward without a cache get None (SDPA / prompt attention)."""
+    from qfd.models.target import step_keys
+
+    model, _ = pairs["qwen3_5"]
+    cache = model.new_cache(32, static=True, max_verify=4)
+    cache.begin(3)
+    positions = torch.tensor([0, 1, 2])
+    keys = step_keys(cache, positions, None)
+    assert torch.equal(keys.slots, positions) and torch.equal(keys.key_count, torch.tensor([3]))
+    assert keys.visible.shape == (3, 32) and torch.equal(keys.visible, torch.arange(32)[None, :] <= positions[:, None])
+    assert step_keys(None, positions, None) is None
+    cache = model.new_cache(32, static=True, max_verify=2)
+    cache.begin(3)
+    assert step_keys(cache, positions, None) is None  # 3 tokens > max_verify: a prompt
+
+
 def _write_conditional_generation_checkpoint(tiny_dir, out):
     """The tiny Qwen3.5 text model in the full Qwen3_5ForConditionalGeneration layout."""
     from safetensors.torch import load_file, save_file
