@@ -157,3 +157,26 @@ def test_serve_vllm_refuses_int4_head():
 
     with pytest.raises(QfdError, match="--int4-head applies to --engine qfd"):
         run_vllm(ServeConfig(target="x", engine="vllm", int4_head=True))
+
+
+def test_the_simulated_int8_head_is_a_per_row_int8_grid_untied_from_the_embedding(wide_checkpoints, monkeypatch):
+    """bench_int4_head.py --int8-simulated: each head row lies on its own symmetric INT8 grid
+    (max |w| -> 127 steps), within half a step of the dense row, and the embedding stays dense."""
+    import importlib.util
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "bench"
+    monkeypatch.syspath_prepend(str(bench_dir))  # the script imports its sibling bench_e2e
+    spec = importlib.util.spec_from_file_location("bench_int4_head", bench_dir / "bench_int4_head.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model, _ = load_target(next(iter(wide_checkpoints.values())), tokenizer=False)
+    dense = model.lm_head.weight.detach().clone()
+    embedding = model.model.embed_tokens.weight.detach().clone()
+    bench.simulate_int8_head(model)
+    step = dense.abs().amax(1, keepdim=True) / 127
+    codes = model.lm_head.weight / step
+    torch.testing.assert_close(codes, codes.round(), atol=1e-3, rtol=0)
+    assert float(codes.abs().max()) <= 127 + 1e-3 and not torch.equal(model.lm_head.weight, dense)
+    assert bool(((model.lm_head.weight - dense).abs() <= step / 2 + 1e-6).all())
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
