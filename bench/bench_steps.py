@@ -58,7 +58,7 @@ from qfd.models import cache as target_cache  # noqa: E402
 from qfd.models import gdn as gdn_module  # noqa: E402
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402
 from qfd.models.fuse import fuse_projections, fusion_enabled, gated_mlp_enabled  # noqa: E402
-from qfd.kernels import attention_inputs_triton, norm_triton, rope_triton  # noqa: E402
+from qfd.kernels import attention_inputs_triton, norm_triton  # noqa: E402
 from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps  # noqa: E402
 from qfd.models.target import TargetConfig, TargetModel  # noqa: E402
 from qfd.quant import int4_linear  # noqa: E402
@@ -485,7 +485,7 @@ def main() -> None:
                # the switches read from the environment (gpu_kernels_ab.sh sets them per variant)
                "attention_kernel": "triton" if attention_triton.SPLIT_KERNEL else "torch", "gdn_verify": "chunk" if gdn_verify_triton.CHUNK_VERIFY else "loop", "int4_one_row": one_row_kernel(), "int4_prefetch": int4_linear.PREFETCH_NEXT, "gdn_prefetch": gdn_triton.PREFETCH, "gdn_rollback_one_launch": target_cache.ONE_LAUNCH_ROLLBACK,
                "int4_pdl": PDL_LAUNCH, "int4_w_first": W_FIRST_DOT, "int4_mma16": "all" if MMA16_ONE_ROW else MMA16, "draft_vocab": args.draft_vocab,
-               "gated_mlp": gated_mlp_enabled(), "gdn_window": "channels_last" if gdn_module.CHANNELS_LAST_WINDOW else "channels_first", "fused_norm": norm_triton.setting(), "fused_add_norm": norm_triton.add_enabled(), "fused_rope": rope_triton.enabled(), "fused_qkv": attention_inputs_triton.enabled()}
+               "gated_mlp": gated_mlp_enabled(), "gdn_window": "channels_last" if gdn_module.CHANNELS_LAST_WINDOW else "channels_first", "fused_norm": norm_triton.setting(), "fused_add_norm": norm_triton.add_enabled(), "fused_qkv": attention_inputs_triton.enabled()}
 
     def save():  # after every section: a run cut short by its time limit still leaves its figures
         # Triton kernels that failed to compile or launch here ran their torch fallbacks: say so

@@ -30,7 +30,6 @@
 #                (fused, the GDN conv window built channels last: QFD_GDN_WINDOW=channels_last), fused_norm_off
 #                (fused, every RMSNorm in torch's ops also uncompiled, as before the twenty-second session: QFD_FUSED_NORM=0),
 #                fused_norm_eager (fused, the one-launch RMSNorm in the eager prefill too: QFD_FUSED_NORM=all),
-#                fused_rope (fused, each attention layer's q and k rotated in one launch each: QFD_FUSED_ROPE=1),
 #                add_norm_off (fused, a layer's residual adds apart from the norms after them, as before the
 #                twenty-third session: QFD_FUSED_ADD_NORM=0), qkv_off (fused, an attention step's q/k norms, rotary,
 #                K/V cache writes and output gate in torch's launches: QFD_FUSED_QKV=0), launch_cuts_off (both)
@@ -51,7 +50,7 @@ limit=${STEPS_FIRST_S:-$(( ${STEPS_S:-150} + 120 ))}
 for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = none ] && continue
     flags=""
-    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=1 prefetch=0 rollback=one_launch history=states gated=1 window=channels_first norm=1 add_norm=1 rope=0 qkv=1
+    magic=0 bm32=1 verify=loop one_row=triton attention=triton pdl=0 wfirst=0 mma16=1 prefetch=0 rollback=one_launch history=states gated=1 window=channels_first norm=1 add_norm=1 qkv=1
     case $variant in magic*) magic=1 ;; esac
     [ "$variant" = bm16 ] && bm32=0
     [ "$variant" = gdn_chunk_verify ] && verify=chunk
@@ -69,14 +68,13 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = window_channels_last ] && window=channels_last
     [ "$variant" = fused_norm_off ] && norm=0
     [ "$variant" = fused_norm_eager ] && norm=all
-    [ "$variant" = fused_rope ] && rope=1
     case $variant in qkv_off|launch_cuts_off) qkv=0 ;; esac
     case $variant in add_norm_off|launch_cuts_off) add_norm=0 ;; esac
     [ "$variant" = reference ] && flags="--reference-kernels"
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
     [ "$variant" = int4_head ] && flags="--int4-head"
-    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention QFD_INT4_PDL=$pdl QFD_INT4_WFIRST=$wfirst QFD_INT4_MMA16=$mma16 QFD_INT4_PREFETCH=$prefetch QFD_GDN_ROLLBACK=$rollback QFD_GDN_HISTORY=$history QFD_GATED_MLP=$gated QFD_GDN_WINDOW=$window QFD_FUSED_NORM=$norm QFD_FUSED_ADD_NORM=$add_norm QFD_FUSED_ROPE=$rope QFD_FUSED_QKV=$qkv timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
+    QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention QFD_INT4_PDL=$pdl QFD_INT4_WFIRST=$wfirst QFD_INT4_MMA16=$mma16 QFD_INT4_PREFETCH=$prefetch QFD_GDN_ROLLBACK=$rollback QFD_GDN_HISTORY=$history QFD_GATED_MLP=$gated QFD_GDN_WINDOW=$window QFD_FUSED_NORM=$norm QFD_FUSED_ADD_NORM=$add_norm QFD_FUSED_QKV=$qkv timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
     grep -A6 "draft-tree verify" "$OUT/targets_$variant.log"

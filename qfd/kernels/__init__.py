@@ -37,7 +37,7 @@ _graphed_depth = 0  # > 0 inside `graphed_step`
 @contextlib.contextmanager
 def graphed_step():
     """A step being warmed up and captured as a CUDA graph (`qfd.models.graphs.capture` enters
-    it): where the small elementwise kernels (norm_triton, rope_triton) run, since a replay pays
+    it): where the small elementwise kernels (norm_triton, attention_inputs_triton) run, since a replay pays
     no Python launch cost and the eager paths stay as torch runs them."""
     global _graphed_depth
     _graphed_depth += 1

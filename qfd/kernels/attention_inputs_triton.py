@@ -147,8 +147,8 @@ def reference(q, k, v, q_norm, k_norm, cos, sin, k_cache, v_cache, slots) -> tor
 
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
-    q = apply_rope(q.transpose(1, 2), cos, sin, fused=False).contiguous()
-    k = apply_rope(k.transpose(1, 2), cos, sin, fused=False)
+    q = apply_rope(q.transpose(1, 2), cos, sin).contiguous()
+    k = apply_rope(k.transpose(1, 2), cos, sin)
     k_cache.index_copy_(2, slots, k.to(k_cache.dtype))
     v_cache.index_copy_(2, slots, v.transpose(1, 2).to(v_cache.dtype))
     return q

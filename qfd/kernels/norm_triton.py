@@ -14,8 +14,8 @@ docs/benchmarks.md, twenty-second session). `use_kernel` keeps torch's form
   (`QFD_FUSED_NORM=all` runs the kernel there too, for that A/B).
 
 One program normalises one row of D values (D <= 4096: a hidden state, a head) with the same
-rounding points as the modules' torch code (qfd.models.target.RMSNorm, qfd.models.drafter.RMSNorm,
-qfd.models.gdn.GatedRMSNorm):
+rounding points as the modules' torch code (qfd.models.target.RMSNorm, which the drafter uses too,
+and qfd.models.gdn.GatedRMSNorm):
 - PLAIN: w * round(h), h = x * rsqrt(mean(x^2) + eps) in float32;
 - ZERO_CENTERED (Qwen3.5): round(h * (1 + w));
 - GATED: round(round(w * round(h)) * silu(z)), x first rounded to z's dtype (the GDN core

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from qfd.drafter_losses import block_attention_mask, context_window_start, per_block_attention_mask
-from qfd.kernels import attention_triton, norm_triton
+from qfd.kernels import attention_triton
 from qfd.models.linear import Linear, gated_mlp_hidden  # nn.Linear + a CPU fast path for few rows
+from qfd.models.target import RMSNorm  # the plain form (w * norm(x), cast before the weight), as DFlash's Qwen3 layers
 
 
 @dataclass(frozen=True)
@@ -127,20 +128,6 @@ def config_for_target(target_config: dict, tokenizer=None, *, num_layers: int = 
         sliding_window=sliding_window,
         extra={k: text[k] for k in ("bos_token_id", "eos_token_id") if k in text},
     )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm_triton.norm(x, self.weight, self.eps)  # w * norm(x), cast before the weight
-
-    def add_and_norm(self, h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h + x, its norm): one launch in a graphed step (`norm_triton.add_and_norm`)."""
-        return norm_triton.add_and_norm(h, x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from qfd.errors import QfdError
-from qfd.kernels import rope_triton
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Keys of rope_parameters that change nothing for text-only decoding.
@@ -68,12 +67,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = True) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [B, heads, T, head_dim]; cos/sin: [T, rotary_dim] with rotary_dim <= head_dim.
-    Channels beyond rotary_dim pass through unchanged (partial rotary). `fused`: one Triton
-    launch where `rope_triton.use_kernel` says (QFD_FUSED_ROPE=1, graphed CUDA steps)."""
-    if fused and rope_triton.use_kernel(x, cos):
-        return rope_triton.apply_rope(x, cos, sin)
+    Channels beyond rotary_dim pass through unchanged (partial rotary)."""
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:
         return x * cos + rotate_half(x) * sin

@@ -217,10 +217,7 @@ class Attention(nn.Module):
             # norms, rotary and the K/V cache writes in one launch; the output gate in the merge kernel
             keys, values = cache.k[layer], cache.v[layer]
             q = attention_inputs_triton.prepare(q, k, v, self.q_norm, self.k_norm, cos, sin, keys, values, step.slots)
-            if attention_triton.takes(q):
-                out, gate = attention_triton.split_attention(q, keys, values, step.visible, step.key_count, gate), None
-            else:
-                out = grouped_attention(q, keys, values, step.visible)
+            out, gate = step_attention(q, keys, values, step.visible, step.key_count, gate), None
         else:
             out = self._attention(q, k, v.transpose(1, 2), cos, sin, cache, layer, positions, step)
         out = out.transpose(1, 2).reshape(B, T, -1)
@@ -273,13 +270,16 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, key_count: torch.Tensor | None = None) -> torch.Tensor:
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, key_count: torch.Tensor | None = None,
+                   gate: torch.Tensor | None = None) -> torch.Tensor:
     """A decode / verify / tree step's attention over the cache: the split-KV Triton kernels
     where they are switched on and run (`qfd.kernels.attention_triton`; they read only the first
-    `key_count` keys), else `grouped_attention` (the mask alone)."""
+    `key_count` keys), else `grouped_attention` (the mask alone). gate [B, T, heads, hd]: the
+    output times sigmoid(gate) (Qwen3.5's output gate; in the kernels' merge)."""
     if attention_triton.takes(q):
-        return attention_triton.split_attention(q, k, v, mask, key_count)
-    return grouped_attention(q, k, v, mask)
+        return attention_triton.split_attention(q, k, v, mask, key_count, gate)
+    out = grouped_attention(q, k, v, mask)
+    return out if gate is None else out * torch.sigmoid(gate).transpose(1, 2)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
