@@ -29,6 +29,7 @@ what a smaller draft vocabulary costs in acceptance is the model's; the mean spe
 The targets' same-input projections are fused as load_target fuses them (qfd.models.fuse);
 --no-fuse (or QFD_FUSE=0) times the unfused model. --int4-head quantizes the INT4 target's LM
 head too (qfd.quant.head, as load_target(int4_head=True)); the BF16 target keeps its own.
+--int8-head: the INT4 target's LM head in INT8 instead (load_target(int8_head=True)).
 --tree N also times a draft-tree verify of N tokens (qfd.tree; Engine(tree_size=N)) and the
 keep of its deepest path, per setting ("tree_verify_keep"), for both targets: a random tree
 of the drafter's shape (B-1 slots, top 8), depth-first as the engine lays it out.
@@ -121,7 +122,7 @@ def quantize_linears(model: torch.nn.Module, group_size: int, skip=("lm_head",),
     return model
 
 
-def build_target(shape: dict, device, dtype, int4: bool, group_size: int, kernel: str | None = None, fuse: bool = True, int4_head: bool = False) -> TargetModel:
+def build_target(shape: dict, device, dtype, int4: bool, group_size: int, kernel: str | None = None, fuse: bool = True, int4_head: bool = False, int8_head: bool = False) -> TargetModel:
     torch.manual_seed(0)
     with torch.device(device):
         model = TargetModel(TargetConfig.from_hf(shape, "qwen3_5")).to(dtype)
@@ -131,10 +132,10 @@ def build_target(shape: dict, device, dtype, int4: bool, group_size: int, kernel
     model.reset_rope(device)
     if int4:
         quantize_linears(model, group_size, kernel=kernel)
-        if int4_head:  # the tied embedding stays dense for the lookups
+        if int4_head or int8_head:  # the tied embedding stays dense for the lookups
             from qfd.quant.head import quantize_head
 
-            quantize_head(model, group_size, kernel=kernel)
+            quantize_head(model, group_size, kernel=None if int8_head else kernel, bits=8 if int8_head else 4)
     if fuse:  # after the INT4 swap, as load_target fuses after loading
         fuse_projections(model)
     return model.eval()
@@ -430,6 +431,7 @@ def main() -> None:
     p.add_argument("--int4-kernel", choices=CUDA_KERNELS, default=None, help="CUDA INT4 matmul kernel (default: $QFD_INT4_KERNEL, else Int4Linear's default)")
     p.add_argument("--no-fuse", action="store_true", help="keep the targets' q/k/v, gate/up and GDN in_proj_* linears separate (default: fused, as load_target does)")
     p.add_argument("--int4-head", action="store_true", help="the INT4 target's LM head in INT4 too (RTN, qfd.quant.head; default: bf16 head, as INT4 checkpoints ship it)")
+    p.add_argument("--int8-head", action="store_true", help="the INT4 target's LM head in INT8 (group scales, qfd.quant.head.Int8Head, its Triton kernel)")
     p.add_argument("--profile", action="store_true", help="also profile the target's decode and verify (CUDA kernels / CPU ops; first setting)")
     p.add_argument("--reference-kernels", action="store_true", help="the torch GDN recurrence and the torch attention with a single attention-values GEMM instead of the fused GDN step kernel and the split-KV attention kernels (side-by-side runs)")
     p.add_argument("--no-fused-conv", action="store_true", help="the GDN step kernel without the conv/SiLU/normalisation/gates folded in (conv and gates in torch: the 2026-12-04 kernel; side-by-side runs)")
@@ -443,6 +445,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench_steps.json"))
     p.add_argument("--report", type=Path, default=None, metavar="JSON", help="print the tables of a saved run (also one cut short) and exit")
     args = p.parse_args()
+    if args.int4_head and args.int8_head:
+        p.error("pass one of --int4-head or --int8-head")
     if args.report:
         results = json.loads(args.report.read_text())
         if "drafter_ab" in results:
@@ -481,7 +485,7 @@ def main() -> None:
     taps = config_for_target(shape, mask_token_id=0).target_layer_ids
     fuse = not args.no_fuse and fusion_enabled()
 
-    results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "int4_magic_operand": MAGIC_DOT, "int4_block_m_32": BLOCK_M_32, "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels), "tree": args.tree,
+    results = {"settings": list(settings), "shape": args.shape, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "tau": args.tau, "block": args.block, "draft_len": draft_len, "compile": args.compile, "compile_drafter": args.compile and not args.no_compile_drafter, "int4_kernel": cuda_kernel_choice(args.int4_kernel), "int4_magic_operand": MAGIC_DOT, "int4_block_m_32": BLOCK_M_32, "reference_kernels": args.reference_kernels, "fused": fuse, "int4_head": args.int4_head, "int8_head": args.int8_head, "fused_conv": not (args.no_fused_conv or args.reference_kernels), "tree": args.tree,
                # the switches read from the environment (gpu_kernels_ab.sh sets them per variant)
                "attention_kernel": "triton" if attention_triton.SPLIT_KERNEL else "torch", "gdn_verify": "chunk" if gdn_verify_triton.CHUNK_VERIFY else "loop", "int4_one_row": one_row_kernel(), "int4_prefetch": int4_linear.PREFETCH_NEXT, "gdn_prefetch": gdn_triton.PREFETCH, "gdn_rollback_one_launch": target_cache.ONE_LAUNCH_ROLLBACK,
                "int4_pdl": PDL_LAUNCH, "int4_w_first": W_FIRST_DOT, "int4_mma16": "all" if MMA16_ONE_ROW else MMA16, "draft_vocab": args.draft_vocab,
@@ -493,7 +497,7 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=2))
 
     if args.drafter_ab:  # the INT4 target for its embedding and head only
-        int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size, kernel=args.int4_kernel, fuse=fuse, int4_head=args.int4_head)
+        int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size, kernel=args.int4_kernel, fuse=fuse, int4_head=args.int4_head, int8_head=args.int8_head)
         results["drafter_ab"] = {}
         drafter_ab(shape, int4.embed, int4.head, device, dtype, args.block, measure, [64, 1024, 8192 if args.shape == "qwen3.5-4b" else 2048], args.compile, draft_len, args.group_size, args.int4_kernel, fuse, results["drafter_ab"], save)
         report_drafter_ab(results)
@@ -503,7 +507,7 @@ def main() -> None:
     save()
     del bf16
     torch.cuda.empty_cache() if device.type == "cuda" else None
-    int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size, kernel=args.int4_kernel, fuse=fuse, int4_head=args.int4_head)
+    int4 = build_target(shape, device, dtype, int4=True, group_size=args.group_size, kernel=args.int4_kernel, fuse=fuse, int4_head=args.int4_head, int8_head=args.int8_head)
     results["int4"] = target_costs(int4, max_len, verify_len, measure, device, taps, args.compile, settings, args.profile, args.tree)
     save()
     if args.targets_only:
@@ -566,7 +570,7 @@ def report(results: dict) -> None:
     rows = results.get("ledger", [])
     final = final_system(rows) or LEDGER[-1][0]
     d = results.get("drafter", {})
-    kind = f"{results['shape']}, {results['device']}, {results['draft_len']} drafts / {results['draft_len'] + 1}-token verify, INT4 {results['int4_kernel'] if results['device'] != 'cpu' else 'CPU kernel'}{', reference GDN/attention kernels' if results.get('reference_kernels') else ''}{', unfused projections' if results.get('fused') is False else ''}{', INT4 LM head' if results.get('int4_head') else ''}{', GDN conv/gates in torch' if results.get('fused_conv') is False else ''}{(', compiled' + ('' if results.get('compile_drafter', True) else ' targets (drafter uncompiled)')) if results['compile'] else ''}"
+    kind = f"{results['shape']}, {results['device']}, {results['draft_len']} drafts / {results['draft_len'] + 1}-token verify, INT4 {results['int4_kernel'] if results['device'] != 'cpu' else 'CPU kernel'}{', reference GDN/attention kernels' if results.get('reference_kernels') else ''}{', unfused projections' if results.get('fused') is False else ''}{', INT4 LM head' if results.get('int4_head') else ''}{', INT8 LM head' if results.get('int8_head') else ''}{', GDN conv/gates in torch' if results.get('fused_conv') is False else ''}{(', compiled' + ('' if results.get('compile_drafter', True) else ' targets (drafter uncompiled)')) if results['compile'] else ''}"
     steps = Table(title=f"step costs, ms ({kind})")
     for col in ("setting", "bf16 decode", "int4 decode", "int4 verify+rollback", "spec step (full system)", "step / int4 decode", "GDN rollback / step"):
         steps.add_column(col, justify="right")

@@ -143,13 +143,14 @@ class DraftVocabHead(nn.Module):
 
     @classmethod
     def of_target(cls, target, vocab_ids: torch.Tensor) -> "DraftVocabHead":
-        """From a runtime target's (or any module's) `lm_head`: dense, or an INT4 head
-        (`--int4-head`), whose rows are taken dequantized in the dtype it computes in, so the
-        subset logits are those of the head the target verifies with."""
+        """From a runtime target's (or any module's) `lm_head`: dense, or a quantized head
+        (`--int4-head`, `--int8-head`), whose rows are taken dequantized in the dtype it computes
+        in, so the subset logits are those of the head the target verifies with."""
+        from qfd.quant.head import Int8Head
         from qfd.quant.int4_linear import Int4Linear
 
         head = getattr(target, "lm_head", None)
-        if isinstance(head, Int4Linear):  # its `weight`, if any, is only an empty dtype probe
+        if isinstance(head, (Int4Linear, Int8Head)):  # an Int4Linear's `weight`, if any, is only an empty dtype probe
             return cls(head.dequantized_weight(head.dtype), vocab_ids, head.bias)
         weight = getattr(head, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0:

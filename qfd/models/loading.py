@@ -47,12 +47,15 @@ def target_config(model_dir: ModelDir) -> TargetConfig:
     return TargetConfig.from_hf(model_dir.config, model_dir.family)
 
 
-def load_target(spec: str | Path | ModelDir, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *, tokenizer: bool = True, fuse: bool = True, int4_head: bool = False) -> tuple[TargetModel, Any]:
+def load_target(spec: str | Path | ModelDir, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, *, tokenizer: bool = True, fuse: bool = True, int4_head: bool = False, int8_head: bool = False) -> tuple[TargetModel, Any]:
     """(TargetModel in eval mode on `device`, tokenizer or None when the directory has none).
     `fuse`: stack same-input projections into one linear each (`qfd.models.fuse`; QFD_FUSE=0
     turns it off too): fewer kernel launches per step, but no q_proj/gate_proj/... modules.
     `int4_head` (`--int4-head`): RTN INT4 (group 128, else 64 / 32) of the LM head at load, `qfd.quant.head`:
-    fewer bytes per decode step, but a slightly different target (bench/bench_int4_head.py)."""
+    fewer bytes per decode step, but a slightly different target (bench/bench_int4_head.py).
+    `int8_head` (`--int8-head`): the same in INT8 (`qfd.quant.head.Int8Head`): half the bytes saved, ~4x closer logits."""
+    if int4_head and int8_head:
+        raise QfdError("pass one of --int4-head or --int8-head, not both")
     model_dir = spec if isinstance(spec, ModelDir) else resolve_model(spec)
     cfg = target_config(model_dir)
     device = torch.device(device)
@@ -85,10 +88,10 @@ def load_target(spec: str | Path | ModelDir, device: str | torch.device = "cpu",
     model.eval().requires_grad_(False)
     if fuse:
         fuse_projections(model)
-    if int4_head:
+    if int4_head or int8_head:
         from qfd.quant.head import quantize_head
 
-        quantize_head(model)
+        quantize_head(model, bits=8 if int8_head else 4)
     return model, (load_tokenizer(model_dir) if tokenizer else None)
 
 

@@ -1,5 +1,5 @@
-"""INT4 LM head at load time (`--int4-head`): round-to-nearest, symmetric, group 128 (64 or 32
-where 128 does not divide the hidden size).
+"""A quantized LM head at load time: `--int4-head` (INT4) or `--int8-head` (INT8); round to
+nearest, symmetric, group 128 (64 or 32 where 128 does not divide the hidden size).
 
 Why: at batch 1 a decode step reads every weight once, and a large-vocabulary head is a large
 share of them. Qwen3.5-4B's tied head is 248320 x 2560, 1.27 GB in bf16, against ~1.84 GB for
@@ -16,7 +16,13 @@ On SmolLM2-135M (group 64) it is large: top-1 agreement 0.86, KL 0.10 nats, ever
 continuation of 16 GSM8K test prompts diverges within ~7 tokens (docs/benchmarks.md): a
 different model. Big-vocabulary 4B heads are unmeasured.
 
-A tied head keeps the embedding table dense for the lookups; the head gets its own INT4 copy.
+INT8 (`Int8Head`, qfd.kernels.int8_triton) halves the head's bytes instead of quartering them
+and moves the logits ~4x less than per-row INT8 did: SmolLM2-135M at group 64, top-1 agreement
+0.991, KL 1.5e-4 nats, 10 of 16 greedy continuations identical to the dense head's over 64
+tokens (per-row INT8, simulated: KL 5.5e-4, 6/16; docs/benchmarks.md). Still a (slightly)
+different model - measure it the same way.
+
+A tied head keeps the embedding table dense for the lookups; the head gets its own quantized copy.
 """
 
 from __future__ import annotations
@@ -32,21 +38,71 @@ def head_group_size(width: int) -> int | None:
     return next((g for g in GROUP_FALLBACKS if width % g == 0), None)
 
 
-def quantize_head(model: torch.nn.Module, group_size: int | None = None, kernel: str | None = None) -> torch.nn.Module:
-    """Replace `model.lm_head` (an nn.Linear) by an Int4Linear of its RTN INT4 weight, on the
-    head's device and dtype; returns the new head. `group_size`: default `head_group_size` of
-    the head's width. `kernel`: the CUDA INT4 kernel (Int4Linear)."""
+class Int8Head(torch.nn.Module):
+    """y = x @ w_hat.T, w_hat = q * s: `qweight` [V, D] int8 and `scales` [D / g, V] in the
+    head's dtype (layout: qfd.kernels.int8_triton). On CUDA (or Triton's interpreter, kernel
+    "triton") the product runs the INT8 kernel; elsewhere the module keeps w_hat dense
+    (`weight_dense`) - the same logits, without the bytes saved."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int, kernel: str | None = None):
+        super().__init__()
+        from qfd.kernels import HAVE_TRITON, interpreting
+        from qfd.kernels.int8_triton import dequantize_int8, quantize_int8
+
+        self.out_features, self.in_features = weight.shape
+        self.group_size = group_size
+        self.dtype = weight.dtype
+        q, scales = quantize_int8(weight, group_size, scale_dtype=weight.dtype)
+        self.register_buffer("bias", None)  # a head with a bias is refused (`_dense_head`); kept for callers that read it
+        self.register_buffer("qweight", q.to(weight.device))
+        self.register_buffer("scales", scales.to(weight.device))
+        use_kernel = HAVE_TRITON and kernel != "torch" and (weight.is_cuda or (interpreting() and kernel == "triton"))
+        self.register_buffer("weight_dense", None if use_kernel else dequantize_int8(self.qweight, self.scales, weight.dtype))
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        from qfd.kernels.int8_triton import dequantize_int8
+
+        return dequantize_int8(self.qweight, self.scales, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from qfd.kernels.int8_triton import int8_mm_op
+        from qfd.models.linear import linear
+
+        if self.weight_dense is not None:
+            return linear(x, self.weight_dense)
+        return int8_mm_op(x, self.qweight, self.scales)
+
+
+def _dense_head(model: torch.nn.Module, flag: str, group_size: int | None) -> tuple[torch.Tensor, int]:
+    """The weight of `model.lm_head` and the group size to quantize it with, or a QfdError."""
     from qfd.errors import QfdError
-    from qfd.quant.grid import rtn_quantize
-    from qfd.quant.int4_linear import swap_int4_linears
 
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
     if not isinstance(head, torch.nn.Linear) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise QfdError("--int4-head needs a dense LM head (nn.Linear); this model's lm_head is already quantized or missing")
+        raise QfdError(f"{flag} needs a dense LM head (nn.Linear); this model's lm_head is already quantized or missing")
+    if head.bias is not None:
+        raise QfdError(f"{flag} takes an LM head without a bias; this model's has one")
     group_size = group_size or head_group_size(weight.shape[1])
     if group_size is None or weight.shape[1] % group_size != 0:
-        raise QfdError(f"--int4-head: the head's input width {weight.shape[1]} is not a multiple of the group size {group_size or 32}")
+        raise QfdError(f"{flag}: the head's input width {weight.shape[1]} is not a multiple of the group size {group_size or 32}")
+    return weight, group_size
+
+
+def quantize_head(model: torch.nn.Module, group_size: int | None = None, kernel: str | None = None, bits: int = 4) -> torch.nn.Module:
+    """Replace `model.lm_head` (an nn.Linear) by its RTN quantization, on the head's device and
+    dtype; returns the new head. bits 4: an Int4Linear (`kernel`: its CUDA INT4 kernel); bits 8:
+    an `Int8Head` (`kernel` "torch": no Triton kernel). `group_size`: default `head_group_size`
+    of the head's width."""
+    from qfd.quant.grid import rtn_quantize
+    from qfd.quant.int4_linear import swap_int4_linears
+
+    if bits not in (4, 8):
+        raise ValueError(f"quantize_head: bits must be 4 or 8, not {bits}")
+    weight, group_size = _dense_head(model, f"--int{bits}-head", group_size)
+    if bits == 8:
+        model.lm_head = Int8Head(weight, group_size, kernel=kernel)
+        return model.lm_head
     qw = rtn_quantize(weight.detach().float(), group_size, scale_dtype=weight.dtype)
     swap_int4_linears(model, {"lm_head": qw}, kernel=kernel)
     return model.lm_head
