@@ -3,11 +3,11 @@ group 128 or the fallback `qfd.quant.head.head_group_size` picks) against the sa
 test prompts (chat template), CPU or GPU.
 
     python bench/bench_int4_head.py [--target smollm2-135m] [--prompts test.jsonl] [--num 16]
-        [--max-new-tokens 64] [--device cpu|cuda] [--group-size 128|64|32 | --int8-simulated] [--out int4_head.json]
+        [--max-new-tokens 64] [--device cpu|cuda] [--group-size 128|64|32] [--int8] [--out int4_head.json]
 
---int8-simulated: instead, a per-output-row symmetric INT8 head, SIMULATED - its dequantized
-weights in a dense, untied linear (qfd has no INT8 head or kernel): what halving the head's bytes
-(rather than quartering them) would cost in quality, the same metrics.
+--int8: instead, the INT8 head `--int8-head` serves (qfd.quant.head.Int8Head, symmetric, the same
+group size): what halving the head's bytes (rather than quartering them) costs in quality, the
+same metrics. (A CPU computes it with its dequantized weights; CUDA runs the INT8 kernel.)
 
 Method: load the target twice (float32 on a CPU, bf16 on CUDA), the second time with its head
 quantized as `load_target(int4_head=True)` does (`quantize_head` after loading: group 128,
@@ -63,18 +63,6 @@ def continuation_logits(target, prompt: list[int], continuation: list[int]) -> t
     return logits[len(prompt) - 1 : len(prompt) + len(continuation) - 1].float()
 
 
-@torch.no_grad()
-def simulate_int8_head(model) -> None:
-    """Give `model` an untied dense LM head holding its head's weights rounded to a per-row
-    symmetric INT8 grid (scale = max |w| / 127) and dequantized: the INT8 head's logits, computed
-    in float (a simulation: qfd has no INT8 head kernel)."""
-    weight = model.lm_head.weight.detach()
-    scale = weight.float().abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
-    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    head.weight.copy_(((weight.float() / scale).round().clamp(-127, 127) * scale).to(weight.dtype))
-    model.lm_head = head
-
-
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """Index of the first differing token (a length difference counts), None when equal."""
     for i, (x, y) in enumerate(zip(a, b)):
@@ -91,7 +79,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--group-size", type=int, choices=(128, 64, 32), default=None, help="default: 128 (what --int4-head uses) when it divides the head's width, else 64, else 32")
-    p.add_argument("--int8-simulated", action="store_true", help="a per-row symmetric INT8 head, simulated with its dequantized weights (no INT8 kernel exists in qfd), instead of --int4-head's INT4")
+    p.add_argument("--int8", action="store_true", help="the INT8 head of --int8-head instead of --int4-head's INT4")
     p.add_argument("--out", type=Path, default=Path("bench_int4_head.json"))
     args = p.parse_args()
 
@@ -108,10 +96,7 @@ def main() -> None:
     width = dense.config.hidden_size
     group = args.group_size or head_group_size(width) or GROUP_SIZE
     int4, _ = load_target(model_dir, device, dtype, tokenizer=False)
-    if args.int8_simulated:
-        simulate_int8_head(int4)
-    else:
-        quantize_head(int4, group)  # what load_target(int4_head=True) does, at `group`
+    quantize_head(int4, group, bits=8 if args.int8 else 4)  # what load_target(int4_head / int8_head=True) does, at `group`
     eos_ids = stop_token_ids(model_dir, tokenizer)
     probe = Engine(dense, tokenizer, max_len=16)  # only its chat-template encoding
     prompt_ids = [probe.encode([{"role": "user", "content": q}]) for q in prompts_from(args.prompts, args.num)]
@@ -143,8 +128,7 @@ def main() -> None:
     results = {
         "target": str(model_dir.path), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype).removeprefix("torch."),
         "num": len(prompt_ids), "max_new_tokens": args.max_new_tokens, "head_shape": list(head.shape),
-        "head_format": "int8 per-row symmetric, simulated (dequantized weights)" if args.int8_simulated else f"int4 RTN symmetric g{group}",
-        "group_size": None if args.int8_simulated else group, "int4_head_flag_group": not args.int8_simulated and group == head_group_size(width),
+        "head_format": f"int{8 if args.int8 else 4} RTN symmetric g{group}", "group_size": group, "head_flag_group": group == head_group_size(width),
         "positions": positions, "prompt_tokens_mean": sum(map(len, prompt_ids)) / len(prompt_ids),
         "continuation_tokens_mean": positions / len(prompt_ids), "diverged_prompts": len(diverged),
         "first_divergences": divergences, "seconds": time.perf_counter() - start, "metrics": metrics,
@@ -155,13 +139,13 @@ def main() -> None:
     from rich.table import Table
 
     stand_in = "" if group == head_group_size(width) else f", not --int4-head's g{head_group_size(width)}"
-    label = "INT8 LM head (per-row symmetric, SIMULATED: dequantized weights)" if args.int8_simulated else f"INT4 LM head (RTN symmetric g{group}{stand_in})"
+    label = f"INT{8 if args.int8 else 4} LM head (RTN symmetric g{group}{stand_in})"
     table = Table(title=f"{label} vs dense head, {model_dir.path.name} (head {head.shape[0]}x{head.shape[1]}), {len(prompt_ids)} GSM8K test prompts (chat), "
                         f"{args.max_new_tokens} new tokens greedy by the dense model, teacher-forced through both; {results['device']} {results['dtype']}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row(f"top-1 agreement ({positions} continuation positions)", f"{metrics['top1_agreement']:.4f}")
-    quant = "INT8" if args.int8_simulated else "INT4"
+    quant = "INT8" if args.int8 else "INT4"
     table.add_row(f"mean KL(p_dense || p_{quant.lower()}), nats", f"{metrics['kl_dense_int4_nats']:.2e}")
     table.add_row("max |logit difference|", f"{metrics['max_abs_logit_diff']:.4f}")
     table.add_row(f"identical free-running greedy continuations ({quant}-head model's own vs dense, up to {args.max_new_tokens} tokens)", f"{metrics['identical_continuations']:.3f} ({len(divergences) - len(diverged)}/{len(divergences)})")

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_AUTO_HELP, DRAFT_VOCAB_HELP, INT4_HEAD_HELP, SHORT_BLOCK_HELP, TREE_HELP
+from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_AUTO_HELP, DRAFT_VOCAB_HELP, INT4_HEAD_HELP, INT8_HEAD_HELP, SHORT_BLOCK_HELP, TREE_HELP
 
 TASKS_HELP = (
     "Tasks: mmlu-pro (5-shot chat, custom-extract, unweighted mean of 14 subjects; gate 0.621), "
@@ -50,6 +50,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         tree: int = typer.Option(0, "--tree", help=TREE_HELP, metavar="N"),
         compile_steps: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
         int4_head: bool = typer.Option(False, "--int4-head", help=INT4_HEAD_HELP + " (the target only, not --baseline)"),
+        int8_head: bool = typer.Option(False, "--int8-head", help=INT8_HEAD_HELP + " (the target only, not --baseline)"),
     ) -> None:
         """Quality gates through lm-eval and the latency protocol, on qfd's engine (INT4 target,
         speculative with --drafter). Examples:
@@ -67,7 +68,7 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
             data_dir=data_dir, limit=limit, batch_size=batch_size, device=device, dtype=dtype, max_gen_toks=max_gen_toks,
             backend=backend, overwrite=overwrite, warmup=warmup, runs=runs,
             settings=tuple(s.strip() for s in settings.split(",") if s.strip()), lengths=lengths, scale=scale, prompts=prompts,
-            draft_len=parse_draft_len(draft_len), draft_vocab=draft_vocab, short_block=short_block, tree=tree, compile_steps=compile_steps, int4_head=int4_head,
+            draft_len=parse_draft_len(draft_len), draft_vocab=draft_vocab, short_block=short_block, tree=tree, compile_steps=compile_steps, int4_head=int4_head, int8_head=int8_head,
         )
         path = run(cfg)
         for table in summary_tables(path):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_AUTO_HELP, DRAFT_VOCAB_HELP, INT4_HEAD_HELP, SHORT_BLOCK_HELP, TREE_HELP
+from qfd.commands.generate import COMPILE_HELP, DRAFT_LEN_AUTO_HELP, DRAFT_VOCAB_HELP, INT4_HEAD_HELP, INT8_HEAD_HELP, SHORT_BLOCK_HELP, TREE_HELP
 
 
 def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
@@ -30,9 +30,10 @@ def register(app: typer.Typer, subapps: dict[str, typer.Typer]) -> None:
         tree: int = typer.Option(0, "--tree", help=TREE_HELP, metavar="N"),
         compile_steps: bool = typer.Option(False, "--compile", help=COMPILE_HELP),
         int4_head: bool = typer.Option(False, "--int4-head", help=INT4_HEAD_HELP),
+        int8_head: bool = typer.Option(False, "--int8-head", help=INT8_HEAD_HELP),
     ) -> None:
         """Serve /v1/completions, /v1/chat/completions (SSE streaming), /v1/models, /health, /metrics."""
         from qfd.draft_len_auto import parse_draft_len
         from qfd.stages.serve import ServeConfig, run
 
-        run(ServeConfig(target=target, drafter=drafter, host=host, port=port, api_key=api_key, device=device, dtype=dtype, allow_target_mismatch=allow_target_mismatch, max_len=max_len, model_name=model_name, engine=engine, export_dir=export_dir, draft_len=parse_draft_len(draft_len), draft_vocab=draft_vocab, short_block=short_block, tree=tree, compile_steps=compile_steps, int4_head=int4_head))
+        run(ServeConfig(target=target, drafter=drafter, host=host, port=port, api_key=api_key, device=device, dtype=dtype, allow_target_mismatch=allow_target_mismatch, max_len=max_len, model_name=model_name, engine=engine, export_dir=export_dir, draft_len=parse_draft_len(draft_len), draft_vocab=draft_vocab, short_block=short_block, tree=tree, compile_steps=compile_steps, int4_head=int4_head, int8_head=int8_head))

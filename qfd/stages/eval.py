@@ -54,6 +54,7 @@ class EvalConfig:
     tree: int = 0  # > 0: verify a draft tree of that many tokens per step (Engine(tree_size), qfd.tree)
     compile_steps: bool = False  # torch.compile the engine's fixed-shape steps (every system)
     int4_head: bool = False  # RTN INT4 LM head at load for the target (not for a --baseline model; qfd.quant.head)
+    int8_head: bool = False  # the same in INT8 (qfd.quant.head.Int8Head)
 
 
 @dataclass
@@ -66,6 +67,7 @@ class System:
     label: str
     quality: bool = True  # the implicit target-only latency baseline skips the quality tasks
     int4_head: bool = False  # load_target(int4_head=True): the target's LM head in INT4
+    int8_head: bool = False  # load_target(int8_head=True): the target's LM head in INT8
 
 
 def validate(cfg: EvalConfig) -> dict[str, Any]:
@@ -83,6 +85,8 @@ def validate(cfg: EvalConfig) -> dict[str, Any]:
         raise QfdError("--limit must be >= 1")
     if cfg.max_gen_toks is not None and cfg.max_gen_toks < 1:
         raise QfdError("--max-gen-toks must be >= 1")
+    if cfg.int4_head and cfg.int8_head:
+        raise QfdError("pass one of --int4-head or --int8-head, not both")
     plan: dict[str, Any] = {"target": resolve_model(cfg.target).path}
     if cfg.baseline:
         plan["baseline"] = resolve_model(cfg.baseline).path
@@ -112,9 +116,9 @@ def validate(cfg: EvalConfig) -> dict[str, Any]:
         raise QfdError("--draft-vocab needs a drafter (--drafter); target-only decoding drafts nothing")
     if cfg.compile_steps and cfg.backend == "hf":
         raise QfdError("--compile applies to qfd's engine; drop --backend hf")
-    if cfg.int4_head and cfg.backend == "hf":
-        raise QfdError("--int4-head applies to qfd's engine (load_target); drop --backend hf")
-    backend = resolve_backend(cfg.backend, needs_engine=cfg.drafter is not None or cfg.compile_steps or cfg.int4_head)
+    if (cfg.int4_head or cfg.int8_head) and cfg.backend == "hf":
+        raise QfdError(f"--int{4 if cfg.int4_head else 8}-head applies to qfd's engine (load_target); drop --backend hf")
+    backend = resolve_backend(cfg.backend, needs_engine=cfg.drafter is not None or cfg.compile_steps or cfg.int4_head or cfg.int8_head)
     plan["backend"] = backend
     quality = [t for t in cfg.tasks if t in QUALITY_TASKS]
     if quality:
@@ -155,13 +159,14 @@ def resolve_backend(name: str, needs_engine: bool) -> str:
 def systems(cfg: EvalConfig, plan: dict[str, Any]) -> list[System]:
     """The system under test and, when there is something to compare against, a baseline:
     --baseline (BF16 target-only), else the target itself without its drafter. --int4-head
-    applies to the target (and so to its target-only baseline), never to a --baseline model."""
-    head = " (INT4 head)" if cfg.int4_head else ""
-    out = [System("system", str(plan["target"]), str(plan.get("drafter")) if cfg.drafter else None, ("target + drafter" if cfg.drafter else "target") + head, int4_head=cfg.int4_head)]
+    applies to the target (and so to its target-only baseline), never to a --baseline model; so does --int8-head."""
+    head = " (INT4 head)" if cfg.int4_head else " (INT8 head)" if cfg.int8_head else ""
+    heads = {"int4_head": cfg.int4_head, "int8_head": cfg.int8_head}
+    out = [System("system", str(plan["target"]), str(plan.get("drafter")) if cfg.drafter else None, ("target + drafter" if cfg.drafter else "target") + head, **heads)]
     if cfg.baseline:
         out.append(System("baseline", str(plan["baseline"]), None, "baseline (target-only)"))
     elif cfg.drafter and "latency" in cfg.tasks:
-        out.append(System("baseline", str(plan["target"]), None, "target-only" + head, quality=False, int4_head=cfg.int4_head))
+        out.append(System("baseline", str(plan["target"]), None, "target-only" + head, quality=False, **heads))
     return out
 
 
@@ -270,7 +275,7 @@ def load_system(system: System, backend: str, device: Any, dtype: Any, max_len: 
     from qfd.engine import Engine
     from qfd.models.loading import load_target
 
-    target, tokenizer = load_target(system.spec, device, dtype, int4_head=system.int4_head)
+    target, tokenizer = load_target(system.spec, device, dtype, int4_head=system.int4_head, int8_head=system.int8_head)
     drafter = None
     if system.drafter:
         from qfd.models.drafter import load_drafter

@@ -40,6 +40,7 @@ class GenerateConfig:
     tree: int = 0  # > 0: verify a draft tree of that many tokens per step (Engine(tree_size), qfd.tree)
     compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
     int4_head: bool = False  # RTN INT4 LM head at load (load_target(int4_head), qfd.quant.head)
+    int8_head: bool = False  # RTN INT8 LM head at load (load_target(int8_head), qfd.quant.head.Int8Head)
 
 
 @dataclass
@@ -208,7 +209,7 @@ def run(cfg: GenerateConfig, write: Callable[[str], None] | None = None) -> Deco
         from qfd.draft_vocab import check_draft_vocab
 
         check_draft_vocab(Path(cfg.drafter), cfg.draft_vocab)
-    model, tokenizer = load_target(model_dir, device, dtype, int4_head=cfg.int4_head)
+    model, tokenizer = load_target(model_dir, device, dtype, int4_head=cfg.int4_head, int8_head=cfg.int8_head)
     if cfg.drafter:
         drafter = load_drafter(cfg.drafter, device, dtype, fuse=True)
     if tokenizer is None:

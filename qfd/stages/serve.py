@@ -35,6 +35,7 @@ class ServeConfig:
     tree: int = 0  # > 0: verify a draft tree of that many tokens per step (Engine(tree_size), qfd.tree)
     compile_steps: bool = False  # torch.compile the fixed-shape steps (implies them; CUDA graphs on CUDA)
     int4_head: bool = False  # RTN INT4 LM head at load (load_target(int4_head), qfd.quant.head)
+    int8_head: bool = False  # RTN INT8 LM head at load (load_target(int8_head), qfd.quant.head.Int8Head)
 
 
 def is_loopback(host: str) -> bool:
@@ -93,7 +94,7 @@ def build(cfg: ServeConfig):
         check_draft_vocab(drafter_dir, cfg.draft_vocab)
     device = pick_device(cfg.device)
     dtype = pick_dtype(cfg.dtype, device)
-    target, tokenizer = load_target(model_dir, device, dtype, int4_head=cfg.int4_head)
+    target, tokenizer = load_target(model_dir, device, dtype, int4_head=cfg.int4_head, int8_head=cfg.int8_head)
     if tokenizer is None:
         raise QfdError(f"{model_dir.path} has no tokenizer files; the server needs one (copy tokenizer.json / tokenizer_config.json into it)")
     drafter = None
@@ -166,8 +167,8 @@ def run_vllm(cfg: ServeConfig) -> None:
         raise QfdError("--draft-vocab applies to --engine qfd; vLLM's DFlash drafter uses the full LM head")
     if cfg.compile_steps:
         raise QfdError("--compile applies to --engine qfd; vLLM compiles on its own")
-    if cfg.int4_head:
-        raise QfdError("--int4-head applies to --engine qfd; vLLM loads the exported head as it is")
+    if cfg.int4_head or cfg.int8_head:
+        raise QfdError(f"--int{4 if cfg.int4_head else 8}-head applies to --engine qfd; vLLM loads the exported head as it is")
     if shutil.which("vllm") is None:
         raise QfdError("--engine vllm: vLLM is not installed here (no `vllm` on PATH); install it on a CUDA machine (pip install vllm), or use --engine qfd")
     target = resolve_model(cfg.target)
@@ -201,7 +202,7 @@ def run(cfg: ServeConfig) -> Path:
     vocab += ", short block" if engine.short_block else ""
     vocab += f", tree of {engine.tree_size}" if engine.tree_size else ""
     mode = f"speculative (DFlash, block {engine.block_size}, {engine.draft_len} drafts per step{vocab})" if engine.drafter is not None else "target-only"
-    mode += ", INT4 LM head" if cfg.int4_head else ""
+    mode += ", INT4 LM head" if cfg.int4_head else ", INT8 LM head" if cfg.int8_head else ""
     steps = ", CUDA graphs" if engine.cuda_graphs and engine.device.type == "cuda" else ""
     console.print(f"[bold green]qfd serve[/bold green] model [bold]{server.app.model_name}[/bold], {mode}, context {engine.max_len}{steps}, on http://{host}:{port}/v1", highlight=False)
     try:
