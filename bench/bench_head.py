@@ -46,8 +46,7 @@ def sweep_configs(rows: int):
         for warps in (4, 8):
             for stages in (2, 3, 4):
                 if rows == 1:
-                    for defer in (False, True):
-                        yield Int8Config(use_dot=False, block_n=block_n, num_warps=warps, num_stages=stages, defer_sum=defer)
+                    yield Int8Config(use_dot=False, block_n=block_n, num_warps=warps, num_stages=stages)
                 else:
                     yield Int8Config(use_dot=True, block_n=block_n, block_m=16 if rows <= 16 else 32, num_warps=warps, num_stages=stages)
 

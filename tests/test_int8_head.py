@@ -59,9 +59,6 @@ def test_kernel_matches_the_reference(rows, group):
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
     q, s, x = q.to(device), s.to(device), x.to(device)
     torch.testing.assert_close(int8_matmul(x, q, s), reference_matmul(x, q, s), atol=2e-4, rtol=2e-4)
-    if rows == 1:  # the one-row path's other reduction order
-        y = int8_matmul(x, q, s, Int8Config(use_dot=False, block_n=32, defer_sum=True))
-        torch.testing.assert_close(y, reference_matmul(x, q, s), atol=2e-4, rtol=2e-4)
 
 
 @pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="CUDA: the Triton 3.6 interpreter's bf16 tl.dot returns garbage (a plain 16x16 bf16 dot does)")

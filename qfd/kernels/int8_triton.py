@@ -36,7 +36,6 @@ class Int8Config:
     block_m: int = 16
     num_warps: int = 4
     num_stages: int = 3
-    defer_sum: bool = False  # one row: keep [BN, GROUP] partial products, one row sum at the end (no reduction per group)
 
 
 def pick_config(m: int) -> Int8Config:
@@ -78,7 +77,7 @@ if HAVE_TRITON:
     @triton.jit
     def _int8_matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                             GROUP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, USE_DOT: tl.constexpr,
-                            NUM_STAGES: tl.constexpr, DEFER_SUM: tl.constexpr = False):
+                            NUM_STAGES: tl.constexpr):
         """Outputs [BM * pid_m, +BM) x [BN * pid_n, +BN); the K loop steps one group."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -89,8 +88,6 @@ if HAVE_TRITON:
         m_mask = offs_m < M
         if USE_DOT:
             acc = tl.zeros((BM, BN), dtype=tl.float32)
-        elif DEFER_SUM:
-            acc = tl.zeros((BN, GROUP), dtype=tl.float32)
         else:
             acc = tl.zeros((BN,), dtype=tl.float32)
         for g in tl.range(0, K // GROUP, num_stages=NUM_STAGES):
@@ -106,13 +103,8 @@ if HAVE_TRITON:
                 acc += part * s[None, :]
             else:
                 x = tl.load(x_ptr + k0 + offs_g).to(tl.float32)
-                if DEFER_SUM:
-                    acc += w.to(tl.float32) * x[None, :] * s[:, None]
-                else:
-                    acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1) * s
+                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1) * s
         y_dtype = y_ptr.dtype.element_ty
-        if DEFER_SUM and not USE_DOT:
-            acc = tl.sum(acc, axis=1)
         if USE_DOT:
             tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_dtype), mask=m_mask[:, None] & n_mask[None, :])
         else:
@@ -137,7 +129,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, config: 
         raise ValueError("the CUDA-core INT8 path takes one row")
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m) if cfg.use_dot else 1)
     _int8_matmul_kernel[grid](x2, q, scales, y, m, n, k, x2.stride(0), y.stride(0), GROUP=group, BM=cfg.block_m, BN=cfg.block_n,
-                              USE_DOT=cfg.use_dot, NUM_STAGES=cfg.num_stages, DEFER_SUM=cfg.defer_sum, num_warps=cfg.num_warps)
+                              USE_DOT=cfg.use_dot, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return y.reshape(*lead, n)
 
 
