@@ -14,7 +14,10 @@ path converts the tile and multiplies with fp32 accumulation.
 Two paths, chosen by rows (`pick_config`):
 - USE_DOT (2+ rows: a verify): [BM, GROUP] x [GROUP, BN] on tensor cores, rows padded to BM.
 - otherwise (1 row: a decode): CUDA cores, a multiply and a row sum per weight - the product
-  is bandwidth-bound, and a 16-row MMA would pad 15 rows of zeros.
+  is bandwidth-bound, and a 16-row MMA would pad 15 rows of zeros. (Keeping [BN, GROUP]
+  partial products and summing the rows once at the end measured 5% slower on the H100.)
+Measured (H100, bench/bench_head.py): 0.233 / 0.240 / 0.250 ms at 1 / 16 / 32 rows against
+cuBLAS bf16's 0.453 / 0.454 / 0.458 (1.94x / 1.89x / 1.83x), 2770 GB/s at one row.
 No split-K: the head's N is large (248320 / 64 = 3880 programs); K is the hidden size.
 """
 
@@ -40,9 +43,13 @@ class Int8Config:
 
 def pick_config(m: int) -> Int8Config:
     """Launch parameters by row count (1: CUDA-core path; 2-32: tensor cores, 16 or 32 rows a block)."""
+    # bench_head.py's fastest configs on the H100 at 248320 x 2560 (docs/benchmarks.md,
+    # 2026-12-07 twenty-fourth session), per row count; one row reads 2770 GB/s
     if m == 1:
-        return Int8Config(use_dot=False, block_n=64, num_warps=4, num_stages=3)
-    return Int8Config(use_dot=True, block_n=64, block_m=16 if m <= 16 else 32, num_warps=4, num_stages=3)
+        return Int8Config(use_dot=False, block_n=64, num_warps=8, num_stages=3)
+    if m <= 16:
+        return Int8Config(use_dot=True, block_n=32, block_m=16, num_warps=4, num_stages=3)
+    return Int8Config(use_dot=True, block_n=64, block_m=32, num_warps=4, num_stages=4)
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
