@@ -152,3 +152,27 @@ def test_draft_vocab_head_builds_from_an_int8_head(tiny_checkpoints):
     sub = DraftVocabHead.of_target(model, ids)
     x = torch.randn(2, model.config.hidden_size)
     torch.testing.assert_close(sub(x), model.lm_head(x)[:, ids], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_on_a_gpu_the_engine_with_an_int8_head_is_lossless(tiny_checkpoints, family, monkeypatch):
+    """The tiny targets on CUDA (float32, CUDA graphs as served) with their head in INT8 through the
+    kernel: chain and tree speculative decoding give target-only decoding's tokens, which are the
+    INT8-head model's own argmax; the kernel ran (no fallback)."""
+    from qfd import kernels
+    from qfd.engine import Engine
+    from tests.test_engine import greedy, make_drafter, prompt_ids
+
+    monkeypatch.setattr(kernels, "_FAILED", set())
+    target = load_target(tiny_checkpoints[family], device="cuda", tokenizer=False, int8_head=True)[0]
+    assert isinstance(target.lm_head, Int8Head) and target.lm_head.weight_dense is None
+    drafter = make_drafter(tiny_checkpoints[family]).to("cuda")
+    prompt = prompt_ids()
+    expected = Engine(target, max_len=128).generate(prompt, greedy()).tokens
+    with torch.inference_mode():
+        logits = target(torch.tensor([prompt + expected], device="cuda")).logits[0]
+    assert expected == logits[len(prompt) - 1 : len(prompt) - 1 + len(expected)].argmax(-1).tolist()
+    assert Engine(target, drafter=drafter, max_len=128).generate(prompt, greedy()).tokens == expected
+    assert Engine(target, drafter=drafter, max_len=128, tree_size=8).generate(prompt, greedy()).tokens == expected
+    assert not kernels._FAILED
