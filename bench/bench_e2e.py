@@ -5,7 +5,7 @@ static cache + torch.compile on CUDA) as the outside anchor - side by side in on
     python bench/bench_e2e.py --target DIR --drafter DIR [--prompts test.jsonl] [--num 8]
         [--max-new-tokens 256] [--device cuda] [--hf-compile] [--no-hf] [--out e2e.json]
         [--few-shot K --shots train.jsonl] [--windows 256,1024] [--max-len 8192] [--draft-lens 4,8]
-        [--compile] [--draft-vocab 8192] [--int4-head] [--trees 16,32,64]
+        [--compile] [--draft-vocab 8192] [--int4-head | --int8-head] [--trees 16,32,64]
 
 --few-shot K makes long prompts: K solved GSM8K train problems as earlier chat turns before
 each test question. --windows adds rows where the drafter sees only the last W context tokens
@@ -22,7 +22,8 @@ draft_vocab.safetensors, see `qfd draft vocab`), each also at every --draft-lens
 k + 1 slots it verifies instead of all B (Engine(short_block=True)): k+1/B of its work, drafts
 from a block shape it was not trained on (tau shows what that costs; output stays lossless).
 --int4-head loads the target with its LM head in INT4 (load_target(int4_head=True),
-qfd.quant.head) for every qfd row; the transformers rows keep the checkpoint's head.
+qfd.quant.head) for every qfd row; the transformers rows keep the checkpoint's head. --int8-head
+does the same with the INT8 head (load_target(int8_head=True), qfd.quant.head.Int8Head).
 --trees N[,N...] adds speculative rows that verify a draft tree of N tokens per step instead of
 the chain (Engine(tree_size=N), qfd.tree),
 each also with every --draft-lens k (the tree's depth limit), --draft-vocab and --short-block row.
@@ -125,8 +126,11 @@ def main() -> None:
     p.add_argument("--trees", default="", help="comma-separated tree sizes N to add as speculative rows verifying a draft tree of N tokens (qfd.tree; also compiled with --compile)")
     p.add_argument("--ab-rows", action="store_true", help="also rows without the chunked prefill and the draft prefetch, side by side (CUDA graphs on a GPU, not compiled): target-only and the first --trees size with the eager prompt forward (chunked_prefill=False), that tree without the draft prefetch")
     p.add_argument("--int4-head", action="store_true", help="the target's LM head in INT4 (RTN g128) for the qfd rows (load_target(int4_head=True))")
+    p.add_argument("--int8-head", action="store_true", help="the target's LM head in INT8 (RTN g128) for the qfd rows (load_target(int8_head=True))")
     p.add_argument("--out", type=Path, default=Path("bench_e2e.json"))
     args = p.parse_args()
+    if args.int4_head and args.int8_head:
+        p.error("pass one of --int4-head or --int8-head")
 
     from qfd.checkpoint import resolve_model
     from qfd.engine import Engine
@@ -136,7 +140,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target_dir = resolve_model(args.target).path
-    target, tokenizer = load_target(target_dir, device, dtype, int4_head=args.int4_head)
+    target, tokenizer = load_target(target_dir, device, dtype, int4_head=args.int4_head, int8_head=args.int8_head)
     drafter = load_drafter(Path(args.drafter), device=device, dtype=dtype, fuse=True)
     draft_lens = [int(k) for k in args.draft_lens.split(",") if k]
     draft_vocabs = [int(v) for v in args.draft_vocab.split(",") if v]
@@ -223,13 +227,13 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"end to end, {args.num} GSM8K test prompts ({args.few_shot}-shot, {prompt_tokens:.0f} prompt tokens on average), {args.max_new_tokens} new tokens, T=0{', INT4 LM head (qfd rows)' if args.int4_head else ''}, {torch.cuda.get_device_name() if graphs else 'cpu'}")
+    table = Table(title=f"end to end, {args.num} GSM8K test prompts ({args.few_shot}-shot, {prompt_tokens:.0f} prompt tokens on average), {args.max_new_tokens} new tokens, T=0{', INT4 LM head (qfd rows)' if args.int4_head else ''}{', INT8 LM head (qfd rows)' if args.int8_head else ''}, {torch.cuda.get_device_name() if graphs else 'cpu'}")
     for col in ("system", "tokens/s", f"x {base_key}", "tau", "TTFT ms", "identical outputs"):
         table.add_column(col, justify="right")
     for name, row in rows.items():
         table.add_row(name, f"{row['tokens_per_s']:.1f}", f"{row['speedup_vs_qfd_target_only']:.2f}", "" if row["tau"] is None else f"{row['tau']:.2f}", f"{row['ttft_ms']:.1f}" if "ttft_ms" in row else "", str(row.get("identical_to_target_only", "")))
     Console().print(table)
-    args.out.write_text(json.dumps({"device": str(device), "num": args.num, "few_shot": args.few_shot, "prompt_tokens_mean": prompt_tokens, "max_new_tokens": args.max_new_tokens, "int4_head": args.int4_head, "rows": rows}, indent=2))
+    args.out.write_text(json.dumps({"device": str(device), "num": args.num, "few_shot": args.few_shot, "prompt_tokens_mean": prompt_tokens, "max_new_tokens": args.max_new_tokens, "int4_head": args.int4_head, "int8_head": args.int8_head, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@
 #                16-row blocks: QFD_INT4_BM32=0), gdn_chunk_verify (a verify's tokens in parallel,
 #                the WY form: QFD_GDN_VERIFY=chunk), one_row_tinygemm (fused, one-row products
 #                through torch's tinygemm: QFD_INT4_ONE_ROW=tinygemm), int4_head (fused, the INT4
-#                target's LM head in INT4 too: --int4-head), attn_torch (fused, the steps' attention
+#                target's LM head in INT4 too: --int4-head), int8_head (fused, that head in INT8: --int8-head), attn_torch (fused, the steps' attention
 #                in torch - the path before the split-KV kernels: QFD_ATTENTION_KERNEL=torch), int4_pdl
 #                (fused, the INT4 kernels launched with programmatic dependent launch: QFD_INT4_PDL=1),
 #                int4_wfirst (fused, the INT4 tensor-core path with the weights as the dot's first operand:
@@ -74,6 +74,7 @@ for variant in ${VARIANTS:-reference fused}; do  # VARIANTS=none: no step runs
     [ "$variant" = conv_in_torch ] && flags="--no-fused-conv"
     [ "$variant" = unfused ] && flags="--no-fuse"
     [ "$variant" = int4_head ] && flags="--int4-head"
+    [ "$variant" = int8_head ] && flags="--int8-head"
     QFD_INT4_MAGIC=$magic QFD_INT4_BM32=$bm32 QFD_GDN_VERIFY=$verify QFD_INT4_ONE_ROW=$one_row QFD_ATTENTION_KERNEL=$attention QFD_INT4_PDL=$pdl QFD_INT4_WFIRST=$wfirst QFD_INT4_MMA16=$mma16 QFD_INT4_PREFETCH=$prefetch QFD_GDN_ROLLBACK=$rollback QFD_GDN_HISTORY=$history QFD_GATED_MLP=$gated QFD_GDN_WINDOW=$window QFD_FUSED_NORM=$norm QFD_FUSED_ADD_NORM=$add_norm QFD_FUSED_QKV=$qkv timeout "$limit" python3 "$SRC/bench/bench_steps.py" --device cuda --targets-only --profile --settings "${SETTINGS:-short,medium,long}" \
         --int4-kernel "${INT4_KERNEL:-triton}" ${COMPILE:+--compile} ${TREE:+--tree $TREE} $flags --out "$OUT/targets_$variant.json" 2>&1 | grep -v Warning > "$OUT/targets_$variant.log"
     grep -A12 "target step costs" "$OUT/targets_$variant.log"
