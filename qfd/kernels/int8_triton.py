@@ -2,10 +2,10 @@
 q int8 in [-127, 127], one scale per output row and K group.
 
 Why a kernel of its own: at batch 1 the head is read once per step, and Qwen3.5-4B's tied
-248320 x 2560 head is 1.27 GB in bf16 - as many bytes as its INT4 body. INT8 halves them
+248320 x 2560 head is 1.27 GB in bf16 - 40% of an INT4 decode's bytes. INT8 halves them
 (INT4, `--int4-head`, quarters them but moves the logits much further: qfd.quant.head).
 
-Layout (`pack_int8`): q [N, K] int8 row-major (nn.Linear's orientation, K contiguous: one
+Layout (`quantize_int8`): q [N, K] int8 row-major (nn.Linear's orientation, K contiguous: one
 program's [BN, GROUP] tile is BN runs of GROUP contiguous bytes); scales [K / GROUP, N] in the
 activations' dtype (a group's BN scales are one contiguous load). Per K group: one partial sum
 in float32, times the group's scales; int8 values are exact in bf16 / fp16, so the tensor-core
