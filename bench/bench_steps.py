@@ -135,7 +135,7 @@ def build_target(shape: dict, device, dtype, int4: bool, group_size: int, kernel
         if int4_head or int8_head:  # the tied embedding stays dense for the lookups
             from qfd.quant.head import quantize_head
 
-            quantize_head(model, group_size, kernel=None if int8_head else kernel, bits=8 if int8_head else 4)
+            quantize_head(model, group_size, kernel=kernel, bits=8 if int8_head else 4)
     if fuse:  # after the INT4 swap, as load_target fuses after loading
         fuse_projections(model)
     return model.eval()

@@ -151,7 +151,7 @@ class DraftVocabHead(nn.Module):
 
         head = getattr(target, "lm_head", None)
         if isinstance(head, (Int4Linear, Int8Head)):  # an Int4Linear's `weight`, if any, is only an empty dtype probe
-            return cls(head.dequantized_weight(head.dtype), vocab_ids, head.bias)
+            return cls(head.dequantized_weight(head.dtype), vocab_ids, getattr(head, "bias", None))
         weight = getattr(head, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0:
             raise QfdError("--draft-vocab needs the target's dense LM head weight; this target's lm_head has none")

@@ -53,10 +53,9 @@ class Int8Head(torch.nn.Module):
         self.group_size = group_size
         self.dtype = weight.dtype
         q, scales = quantize_int8(weight, group_size, scale_dtype=weight.dtype)
-        self.register_buffer("bias", None)  # a head with a bias is refused (`_dense_head`); kept for callers that read it
         self.register_buffer("qweight", q.to(weight.device))
         self.register_buffer("scales", scales.to(weight.device))
-        use_kernel = HAVE_TRITON and kernel != "torch" and (weight.is_cuda or (interpreting() and kernel == "triton"))
+        use_kernel = HAVE_TRITON and (weight.is_cuda or (interpreting() and kernel == "triton"))
         self.register_buffer("weight_dense", None if use_kernel else dequantize_int8(self.qweight, self.scales, weight.dtype))
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
@@ -92,8 +91,8 @@ def _dense_head(model: torch.nn.Module, flag: str, group_size: int | None) -> tu
 def quantize_head(model: torch.nn.Module, group_size: int | None = None, kernel: str | None = None, bits: int = 4) -> torch.nn.Module:
     """Replace `model.lm_head` (an nn.Linear) by its RTN quantization, on the head's device and
     dtype; returns the new head. bits 4: an Int4Linear (`kernel`: its CUDA INT4 kernel); bits 8:
-    an `Int8Head` (`kernel` "torch": no Triton kernel). `group_size`: default `head_group_size`
-    of the head's width."""
+    an `Int8Head` (`kernel` "triton": its kernel under Triton's interpreter too). `group_size`:
+    default `head_group_size` of the head's width."""
     from qfd.quant.grid import rtn_quantize
     from qfd.quant.int4_linear import swap_int4_linears
 
