@@ -96,7 +96,9 @@ def sweep_configs(m: int, grid: str = "full"):
     program (64 on 4 warps, 128 on 4 or 8), splits and stages - for one row too, as a 16-row block - so the tuned table keeps,
     per shape, whichever kernel is faster.
     grid "gemv" (one row): the "split" grid plus `_int4_gemv_kernel` with offset-sum arithmetic
-    over outputs per program, K tiles per step and splits, and a few `_int4_mma_kernel` blocks."""
+    over outputs per program, K tiles per step and splits, and a few `_int4_mma_kernel` blocks.
+    grid "two_slot" (one row): `_int4_gemv_two_slot_kernel` over outputs per program, tiles per
+    step, warps and splits; the sweep adds the served config, so the table keeps the faster."""
     block_m = 32 if m > 16 else 16  # 17-32 rows as one 32-row block, as the heuristic runs them
     if grid == "mma16":  # the served splits through the older kernel, named so the table records which won
         yield from (replace(c, mma16=False) if c.use_dot else c for c in sweep_configs(m, "split"))
@@ -104,6 +106,10 @@ def sweep_configs(m: int, grid: str = "full"):
         # (two warpgroups: 64 each, the registers of 64 on 4 warps)
         for (bn, warps), split, stages in itertools.product(((64, 4), (128, 4), (128, 8)), (2, 4, 8, 16), (2, 3)):
             yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=warps, num_stages=stages, block_m=block_m, mma16=True)
+        return
+    if grid == "two_slot":  # one row: `_int4_gemv_two_slot_kernel` (the sweep times the served config beside it)
+        for (bn, tiles, warps), split in itertools.product(((32, 1, 4), (64, 1, 4), (128, 1, 4), (128, 1, 8), (32, 2, 4), (64, 2, 4)), (2, 4, 8, 16)):
+            yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps, tiles=tiles, two_slot=True)
         return
     if grid == "gemv":  # one row: the served splits and `_int4_gemv_kernel` (offset-sum arithmetic)
         yield from sweep_configs(m, "split")
@@ -137,7 +143,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,16", help="comma-separated row counts M")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--sweep", action="store_true", help="also try a grid of Triton launch configs per shape")
-    p.add_argument("--sweep-grid", choices=("full", "split", "mma16", "gemv"), default="full", help="with --sweep: the full grid (GEMV kernel variants; compiles per config), the served kernel's splits only (fast), those and _int4_mma_kernel's, or (one row) those and _int4_gemv_kernel's offset-sum configs")
+    p.add_argument("--sweep-grid", choices=("full", "split", "mma16", "gemv", "two_slot"), default="full", help="with --sweep: the full grid (GEMV kernel variants; compiles per config), the served kernel's splits only (fast), those and _int4_mma_kernel's, (one row) those and _int4_gemv_kernel's offset-sum configs, or (one row) _int4_gemv_two_slot_kernel's configs beside the served one")
     p.add_argument("--hot", action="store_true", help="time one weight copy (L2-resident) instead of cycling through HBM-sized copies")
     p.add_argument("--shapes", default="", help="comma-separated substrings: only the shapes whose name has one")
     p.add_argument("--write-tuned", nargs="?", const="", default=None, metavar="PATH",
@@ -212,7 +218,10 @@ def main() -> None:
                 row["variants"] = {label: variant(cfg) for label, cfg in ab_variants(m, n, k) if label == "served" or not ab_only or label in ab_only}
             if args.sweep:
                 best = None
-                for cfg in sweep_configs(m, args.sweep_grid):
+                grid = sweep_configs(m, args.sweep_grid)
+                if args.sweep_grid == "two_slot":  # a grid of the new kernel alone: the served config competes too
+                    grid = itertools.chain([int4_triton.pick_config(m, n, k, x.device)], grid)
+                for cfg in grid:
                     if cfg.split_k > -(-k // int4_triton.TILE_K):
                         continue  # more splits than K tiles: idle programs
                     try:
@@ -325,6 +334,8 @@ def ab_variants(m: int, n: int, k: int):
         yield "mma16", replace(served, mma16=True)
         yield "mma16 s3", replace(served, mma16=True, num_stages=3)
         yield "mma16 bn64", replace(served, mma16=True, block_n=64)
+    if m == 1:  # the two-slot gemv at the served outputs per program and split (QFD_INT4_GEMV=two_slot)
+        yield "two_slot", int4_triton.as_two_slot(served)
     if m == 1:  # the tensor-core path for one row (15 of its 16 rows masked), exact and magic
         dot = int4_triton.heuristic_config(16, n, k)
         yield "dot", replace(dot, magic=False, mma16=False)

@@ -103,8 +103,9 @@ _GEMV_ARGS = {name: _MM_ARGS[name] for name in _POINTERS} | {name: "i32" for nam
 def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: int = 128):
     """(label, kernel, runtime args, constants, config, weights per thread per loop trip) of the
     forms worth comparing for this row count: `_int4_mm_kernel` (served for one row; for 2+ rows
-    the older kernel, QFD_INT4_MMA16=0) and `_int4_mma_kernel` (served for 2+ rows; for one row
-    with 15 of 16 rows masked, QFD_INT4_MMA16=all)."""
+    the older kernel, QFD_INT4_MMA16=0), for one row `_int4_gemv_two_slot_kernel`
+    (QFD_INT4_GEMV=two_slot), and `_int4_mma_kernel` (served for 2+ rows; for one row with 15 of
+    16 rows masked, QFD_INT4_MMA16=all)."""
     split = cfg.split_k
     base = dict(GROUP=group, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_K=split, PREFETCH=PREFETCH, PF=32 * cfg.num_warps)
     if cfg.tiles and m == 1:
@@ -116,6 +117,11 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
         yield ("old" if cfg.use_dot else "served", int4_triton._int4_mm_kernel, _MM_ARGS,
                base | dict(BM=bm, BN=cfg.block_n, USE_DOT=cfg.use_dot, DOT_IEEE=False, MAGIC_BITS=0, MAGIC=0.0, PDL=False, W_FIRST=False, EVEN_K=k % 128 == 0),
                cfg, 128 * cfg.block_n)
+    if m == 1:  # the two-slot gemv with the served outputs per program and split (QFD_INT4_GEMV=two_slot)
+        two = int4_triton.as_two_slot(cfg)
+        yield ("two-slot gemv", int4_triton._int4_gemv_two_slot_kernel, _GEMV_ARGS,
+               base | dict(BN=two.block_n, TILES=two.tiles, USE_ASM=True, EVEN_K=k % 128 == 0 and (-(-k // 128)) % two.tiles == 0,
+                           EVEN_N=n % two.block_n == 0), two, 128 * two.tiles * two.block_n)
     dot = cfg if cfg.use_dot else int4_triton.heuristic_config(16, n, k)
     yield ("mma16" if cfg.use_dot else "mma16 (16-row block)", int4_triton._int4_mma_kernel, _MM_ARGS,
            dict(GROUP=group, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_K=dot.split_k, PREFETCH=PREFETCH, PF=32 * dot.num_warps, BM=dot.block_m, BN=dot.block_n, MAGIC_BITS=0x4300, MAGIC=128.0,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -200,6 +201,72 @@ def test_one_row_gemv_kernel_matches_the_reference(symmetric, offset_sum, k, gro
     got = int4_triton.int4_matmul(x, packed, bias, config=config)
     torch.testing.assert_close(got, int4_triton.reference_matmul(x, packed, bias), rtol=1e-4, atol=1e-4)
     assert int(packed.counters.abs().sum()) == 0
+
+
+
+@needs_triton
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("n,k,group,tiles,split_k,block_n", [
+    (72, 384, 128, 1, 1, 32), (72, 384, 128, 2, 2, 32), (64, 512, 256, 2, 1, 64), (96, 1024, 128, 1, 3, 32), (40, 640, 128, 2, 2, 32)])
+def test_the_two_slot_one_row_kernel_matches_the_reference(symmetric, n, k, group, tiles, split_k, block_n):
+    """`_int4_gemv_two_slot_kernel` (bf16 x) with zero points or without, partial output blocks
+    (72 outputs in blocks of 32), steps past K (5 tiles, 2 a step), split K: the float32 product of
+    the same bf16 x to within the output's bf16 rounding. A nibble read from the wrong slot or
+    paired with the wrong x is off by the size of the output."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    packed = int4_triton.pack_for_triton(weight(n, k, group, symmetric), device, scale_dtype=torch.bfloat16)
+    torch.manual_seed(1)
+    x = (torch.randn(1, k, device=device) * 3).to(torch.bfloat16)
+    bias = torch.randn(n, device=device).to(torch.bfloat16)
+    config = int4_triton.KernelConfig(use_dot=False, block_n=block_n, split_k=split_k, tiles=tiles, two_slot=True)
+    got = int4_triton.int4_matmul(x, packed, bias, config=config)
+    want = int4_triton.reference_matmul(x.float(), packed, bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (1, n)
+    torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=8e-3 * float(want.abs().max()))
+    assert int(packed.counters.abs().sum()) == 0
+
+
+class _LaunchSpy:
+    """Stands in for a Triton kernel: counts launches, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@needs_triton
+def test_two_slot_takes_bf16_pairs_and_otherwise_runs_the_plain_gemv(monkeypatch):
+    """The two-slot kernel reads x as aligned bf16 pairs: fp32 x or bf16 x at a 2-byte offset
+    run `_int4_gemv_kernel` instead, exactly as the config without two_slot would."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    spy = _LaunchSpy(int4_triton._int4_gemv_two_slot_kernel)
+    monkeypatch.setattr(int4_triton, "_int4_gemv_two_slot_kernel", spy)
+    packed = int4_triton.pack_for_triton(weight(64, 256, 128), device, scale_dtype=torch.bfloat16)
+    config = int4_triton.KernelConfig(use_dot=False, block_n=32, split_k=2, tiles=1, two_slot=True)
+    plain = int4_triton.KernelConfig(use_dot=False, block_n=32, split_k=2, tiles=1)
+    torch.manual_seed(2)
+    wide = torch.randn(1, 257, device=device).to(torch.bfloat16)
+    int4_triton.int4_matmul(wide[:, :256], packed, config=config)
+    assert spy.launches == 1
+    shifted = wide[:, 1:]  # 2 bytes past a 4-byte boundary
+    x32 = torch.randn(1, 256, device=device)
+    for x in (shifted, x32):
+        assert torch.equal(int4_triton.int4_matmul(x, packed, config=config), int4_triton.int4_matmul(x, packed, config=plain))
+    assert spy.launches == 1
+
+
+def test_the_two_slot_knob_sends_every_one_row_config_to_it(monkeypatch):
+    """QFD_INT4_GEMV=two_slot: one-row products keep their config's outputs per program and K
+    split, through the two-slot kernel (a tensor-core or `_int4_mm_kernel` entry: 1 tile a
+    step); more rows are untouched."""
+    monkeypatch.setattr(int4_triton, "GEMV_TWO_SLOT", True)
+    base = int4_triton.heuristic_config(1, 512, 256)
+    cfg = int4_triton.pick_config(1, 512, 256, torch.device("cpu"))
+    assert cfg == int4_triton.as_two_slot(base) == replace(base, tiles=1, two_slot=True) and not cfg.use_dot
+    assert int4_triton.pick_config(16, 512, 256, torch.device("cpu")) == int4_triton.heuristic_config(16, 512, 256)
 
 
 def test_pick_config_reads_the_gpus_tuned_table(tmp_path, monkeypatch):

@@ -74,6 +74,18 @@ def test_the_mma16_kernel_compiles_to_fewer_instructions_per_weight_than_the_ser
     assert barriers["mma16"] < barriers["old"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="compiling needs triton (not on CI), and not its interpreter")
+def test_the_two_slot_gemv_compiles_to_fewer_instructions_per_weight_than_the_served_one_row_kernel():
+    """Static (sm_90), not a timing: the two-slot kernel's reason to exist - 3 shifts per 8
+    weights instead of 7, x as bf16 pairs, no cross-thread sum of x."""
+    from sass_int4 import study
+
+    rows = study([1], "NVIDIA H100 80GB HBM3", 90, (("mlp down_proj", 2560, 9216),))
+    per_weight = {r["form"]: r["instructions_per_weight"] for r in rows}
+    assert per_weight["two-slot gemv"] < 0.85 * per_weight["served (gemv)"]
+
+
 def test_the_mma16_sweep_grid_adds_the_new_kernel_beside_the_served_splits():
     from bench_int4_kernels import sweep_configs
 

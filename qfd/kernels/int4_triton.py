@@ -608,11 +608,126 @@ if _HAVE_TRITON:
                    pid_n, pid_k, SPLIT_K, HAS_BIAS, GATED)
 
 
+    @triton.jit
+    def _slot_float(v, SLOT: tl.constexpr, USE_ASM: tl.constexpr):
+        """The float32 MAGIC + u for the nibble u at bits SLOT..SLOT+3 of v, one lop3 with USE_ASM
+        (see `_weight_pairs`): SLOT 16 in the mantissa of 128.0 (unit 1 there: 128 + u), SLOT 12
+        in that of 2048.0 (2048 + u)."""
+        if SLOT == 16:
+            if USE_ASM:
+                bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 983040, 1124073472, 234;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                bits = (v & 0x000F0000) | 0x43000000
+        else:
+            if USE_ASM:
+                bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 61440, 1157627904, 234;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                bits = (v & 0x0000F000) | 0x45000000
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _rotate_16(v, USE_ASM: tl.constexpr):
+        """v with its 16-bit halves swapped (one prmt with USE_ASM)."""
+        if USE_ASM:
+            return tl.inline_asm_elementwise("prmt.b32 $0, $1, 0, 4146;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            return (v << 16) | ((v >> 16) & 0xFFFF)
+
+    @triton.jit
+    def _x_pair(x_pairs, at, K, EVEN_K: tl.constexpr):
+        """bf16 x[2 at], x[2 at + 1] from one 32-bit load, each widened to float32 (a bf16 is
+        the top half of its float32): past K, zeros."""
+        if EVEN_K:
+            v = tl.load(x_pairs + at)
+        else:
+            v = tl.load(x_pairs + at, mask=2 * at < K, other=0)
+        return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _int4_gemv_two_slot_kernel(
+        x_ptr, q_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
+        N, K, KT,
+        GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BN: tl.constexpr, TILES: tl.constexpr, SPLIT_K: tl.constexpr,
+        USE_ASM: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, pf_ptr, pf_lines, PREFETCH: tl.constexpr = False,
+        PF: tl.constexpr = 128, GATED: tl.constexpr = False,
+    ):
+        """One bf16 row (decode), as `_int4_gemv_kernel` (outputs [BN*pid_n, +BN) x K steps of
+        TILES tiles, GROUP % 128 == 0) with fewer instructions per weight (static SASS,
+        bench/sass_int4.py):
+        - two float slots per word: a nibble at bits 16-19 is 128 + u with one lop3, one at bits
+          12-15 is 2048 + u (`_slot_float`), so the word itself, >> 8, << 8 and its halves
+          swapped (`_rotate_16`) place all eight nibbles: 3 shifts per 8 weights, not 7;
+        - x read as bf16 pairs (one 32-bit load for the K neighbours 2p and 2p + 1 of a slice,
+          nibbles j and j + 4), each half widened to float32 by a shift or a mask;
+        - the offsets come off per row and step: sum_j f_j x_j - A_p with A_p = sum_j (M_j + z)
+          x_j (M_j the slot's 128 or 2048) - no per-tile sum of x across threads.
+        The 2048 slot cancels ~8 bits of fp32's 24 within a step's 8 products (128: ~4), far
+        below bf16's rounding of the output."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        R: tl.constexpr = 16 * TILES
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_mask = offs_n < N
+        offs_r = tl.arange(0, R)
+        row_tile = offs_r // 16
+        steps = tl.cdiv(KT, TILES)
+        per_split = tl.cdiv(steps, SPLIT_K)
+        s0 = pid_k * per_split
+        s1 = tl.minimum(s0 + per_split, steps)
+        acc = tl.zeros((R, BN), dtype=tl.float32)
+        x_pairs = x_ptr.to(tl.pointer_type(tl.int32))  # x[2i], x[2i + 1] as one word i
+        _prefetch_next(pf_ptr, pf_lines, PREFETCH, PF)
+        for step in range(s0, s1):
+            t_rows = step * TILES + row_tile
+            r_mask = t_rows < KT
+            tile_mask = r_mask[:, None] & n_mask[None, :]
+            g_rows = t_rows * 128 // GROUP
+            if EVEN_K and EVEN_N:  # whole steps, whole output blocks: no masks
+                words = tl.load(q_ptr + (step * R + offs_r)[:, None] * N + offs_n[None, :])
+                s_rows = tl.load(s_ptr + g_rows[:, None] * N + offs_n[None, :]).to(tl.float32)
+            else:
+                words = tl.load(q_ptr + (step * R + offs_r)[:, None] * N + offs_n[None, :], mask=tile_mask, other=0)
+                s_rows = tl.load(s_ptr + g_rows[:, None] * N + offs_n[None, :], mask=tile_mask, other=0.0).to(tl.float32)
+            # x word of slice jj's pair for packed row p: (128 t + 32 jj + 2 p) / 2
+            pair_at = t_rows * 64 + offs_r % 16
+            x0l, x0h = _x_pair(x_pairs, pair_at, K, EVEN_K)
+            x1l, x1h = _x_pair(x_pairs, pair_at + 16, K, EVEN_K)
+            x2l, x2h = _x_pair(x_pairs, pair_at + 32, K, EVEN_K)
+            x3l, x3h = _x_pair(x_pairs, pair_at + 48, K, EVEN_K)
+            up = words << 8
+            down = words >> 8
+            swapped = _rotate_16(words, USE_ASM)
+            x_128 = x0l + x2l + x0h + x2h  # the x of the nibbles read as 128 + u
+            x_2048 = x1l + x3l + x1h + x3h  # and of those read as 2048 + u
+            # the sum starts at minus the offsets, so every product is one FMA
+            if HAS_ZEROS:
+                z_rows = tl.load(z_ptr + g_rows[:, None] * N + offs_n[None, :], mask=tile_mask, other=0).to(tl.float32)
+                part = -z_rows * (x_128 + x_2048)[:, None] - (128.0 * x_128 + 2048.0 * x_2048)[:, None]
+            else:  # zero point 8
+                part = tl.zeros((R, BN), dtype=tl.float32) - (136.0 * x_128 + 2056.0 * x_2048)[:, None]
+            # nibble j (bits 4j..4j+3) with its x: j < 4 the pair's low half, j >= 4 its high half
+            part += _slot_float(swapped, 16, USE_ASM) * x0l[:, None]  # j = 0
+            part += _slot_float(up, 12, USE_ASM) * x1l[:, None]  # j = 1
+            part += _slot_float(up, 16, USE_ASM) * x2l[:, None]  # j = 2
+            part += _slot_float(words, 12, USE_ASM) * x3l[:, None]  # j = 3
+            part += _slot_float(words, 16, USE_ASM) * x0h[:, None]  # j = 4
+            part += _slot_float(down, 12, USE_ASM) * x1h[:, None]  # j = 5
+            part += _slot_float(down, 16, USE_ASM) * x2h[:, None]  # j = 6
+            part += _slot_float(swapped, 12, USE_ASM) * x3h[:, None]  # j = 7
+            acc += part * s_rows
+        out = tl.sum(acc, axis=0)
+        row = tl.arange(0, 1)
+        _write_out(out[None, :], row, offs_n, (row < 1)[:, None] & n_mask[None, :], n_mask, y_ptr, ws_ptr, cnt_ptr, b_ptr, N, 1, N,
+                   pid_n, pid_k, SPLIT_K, HAS_BIAS, GATED)
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Launch parameters. use_dot: tensor-core path (BM rows per program, BM >= 16) vs the
     CUDA-core path (one row per program). tiles > 0 (one row, group a multiple of 128):
-    `_int4_gemv_kernel` with that many K tiles per loop step, offset_sum its arithmetic."""
+    `_int4_gemv_kernel` with that many K tiles per loop step, offset_sum its arithmetic, or
+    with two_slot (bf16 x) `_int4_gemv_two_slot_kernel`."""
 
     use_dot: bool
     block_n: int
@@ -622,6 +737,7 @@ class KernelConfig:
     num_stages: int = 1
     tiles: int = 0
     offset_sum: bool = False
+    two_slot: bool = False  # tiles > 0, bf16 x: `_int4_gemv_two_slot_kernel` (offset_sum does not apply)
     magic: bool | None = None  # tensor-core path, 16-bit x: the MAGIC_BITS operand (None: MAGIC_DOT)
     pdl: bool | None = None  # programmatic dependent launch on Hopper and later (None: PDL_LAUNCH)
     w_first: bool | None = None  # tensor-core path: weights as the dot's first operand (None: W_FIRST_DOT)
@@ -660,6 +776,10 @@ W_FIRST_DOT = os.environ.get("QFD_INT4_WFIRST", "0") == "1"
 # up to 1.24x at the same launch configs of 64 outputs per program (H200, seventeenth session).
 # QFD_INT4_MMA16=0 restores the old kernel; QFD_INT4_MMA16=all also sends one-row products (the
 # decode) through it as a 16-row block, which lost there in its first form (0.88x summed).
+# One-row products through `_int4_gemv_two_slot_kernel` (QFD_INT4_GEMV=two_slot), whatever the
+# tuned table says: each keeps its table entry's outputs per program and K split (tiles 1 where
+# the entry is another kernel's). For A/B runs before a sweep has put the kernel in the table.
+GEMV_TWO_SLOT = os.environ.get("QFD_INT4_GEMV", "") == "two_slot"
 _MMA16_KNOB = os.environ.get("QFD_INT4_MMA16", "1")
 MMA16 = _MMA16_KNOB in ("1", "all")
 MMA16_ONE_ROW = _MMA16_KNOB == "all"
@@ -703,9 +823,23 @@ def _current_device_name(index: int) -> str:
 def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> KernelConfig:
     """Launch config for an M x K @ K x N product on `device`: the GPU's tuned entry for
     (1, 16 or 32 rows, N, K) when it has one, else `heuristic_config`; one row as a 16-row
-    `_int4_mma_kernel` block under QFD_INT4_MMA16=all."""
+    `_int4_mma_kernel` block under QFD_INT4_MMA16=all, through `_int4_gemv_two_slot_kernel` under
+    QFD_INT4_GEMV=two_slot."""
     if m == 1 and MMA16_ONE_ROW:
         return replace(heuristic_config(16, n, k), mma16=True)
+    if m == 1 and GEMV_TWO_SLOT:
+        return as_two_slot(_table_or_heuristic(1, n, k, device))
+    return _table_or_heuristic(m, n, k, device)
+
+
+def as_two_slot(cfg: KernelConfig) -> KernelConfig:
+    """A one-row config through `_int4_gemv_two_slot_kernel`, keeping its outputs per program,
+    K split and warps (1 tile a step where it was another kernel's)."""
+    return replace(cfg, use_dot=False, tiles=cfg.tiles or 1, two_slot=True, offset_sum=False, num_stages=1, mma16=None)
+
+
+def _table_or_heuristic(m: int, n: int, k: int, device: torch.device | None) -> KernelConfig:
+    """The GPU's tuned entry for (1, 16 or 32 rows, N, K), else `heuristic_config`."""
     rows_key = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 and BLOCK_M_32 else None
     if device is not None and device.type == "cuda" and rows_key is not None:
         tuned = tuned_configs(_current_device_name(device.index if device.index is not None else torch.cuda.current_device()))
@@ -816,6 +950,17 @@ def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, 
     steps = -(-(packed.qweight.shape[0] // 16) // cfg.tiles)
     split = min(cfg.split_k, steps) if grid_n <= packed.counters.numel() else 1
     ws = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    if cfg.two_slot and x.dtype == torch.bfloat16 and packed.in_features % 2 == 0 and x.data_ptr() % 4 == 0:  # x read as bf16 pairs
+        _int4_gemv_two_slot_kernel[(grid_n, split)](
+            x, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
+            bias if bias is not None else packed.scales, y, ws, packed.counters,
+            n, packed.in_features, packed.qweight.shape[0] // 16,
+            GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
+            BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, USE_ASM=not interpreting(), GATED=gated,
+            EVEN_K=packed.in_features % TILE_K == 0 and (packed.qweight.shape[0] // 16) % cfg.tiles == 0, EVEN_N=n % cfg.block_n == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_prefetch_args(prefetch, packed.qweight, cfg.num_warps),
+        )
+        return y
     pdl = _pdl(cfg, x)
     _int4_gemv_kernel[(grid_n, split)](
         x, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
