@@ -614,15 +614,11 @@ if _HAVE_TRITON:
         (see `_weight_pairs`): SLOT 16 in the mantissa of 128.0 (unit 1 there: 128 + u), SLOT 12
         in that of 2048.0 (2048 + u)."""
         if SLOT == 16:
-            if USE_ASM:
-                bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 983040, 1124073472, 234;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
-            else:
-                bits = (v & 0x000F0000) | 0x43000000
+            return _float_128_plus(v, USE_ASM)
+        if USE_ASM:
+            bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 61440, 1157627904, 234;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
         else:
-            if USE_ASM:
-                bits = tl.inline_asm_elementwise("lop3.b32 $0, $1, 61440, 1157627904, 234;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
-            else:
-                bits = (v & 0x0000F000) | 0x45000000
+            bits = (v & 0x0000F000) | 0x45000000
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
