@@ -33,6 +33,17 @@ def test_quantize_int8_rounds_to_nearest_per_row_and_group():
     torch.testing.assert_close(w.reshape(96, 4, 64).abs().amax(-1), w_hat.reshape(96, 4, 64).abs().amax(-1))
 
 
+
+def test_the_reference_product_dequantizes_a_chunk_of_outputs_at_a_time(monkeypatch):
+    """Chunks of 40 outputs (a partial last one of 16): the same product as the whole weight."""
+    import qfd.kernels.int8_triton as int8_triton
+
+    q, s = quantize_int8(_weight(), 64)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    whole = x @ dequantize_int8(q, s).t()
+    monkeypatch.setattr(int8_triton, "REFERENCE_CHUNK", 40)
+    torch.testing.assert_close(reference_matmul(x, q, s), whole, atol=1e-5, rtol=1e-5)
+
 def test_quantize_int8_rounds_the_scale_to_its_dtype_before_the_codes():
     w = _weight(dtype=torch.bfloat16)
     q, s = quantize_int8(w, 128, scale_dtype=torch.bfloat16)

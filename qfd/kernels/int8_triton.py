@@ -74,9 +74,16 @@ def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     return w.reshape(n, k).to(dtype)
 
 
+REFERENCE_CHUNK = 8192  # outputs dequantized at a time by `reference_matmul` (84 MB of float32 at K = 2560)
+
+
 def reference_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The kernel's result in torch: float32 math, cast to x's dtype."""
-    return (x.float() @ dequantize_int8(q, scales).t()).to(x.dtype)
+    """The kernel's result in torch: float32 math, cast to x's dtype. The weight is dequantized
+    REFERENCE_CHUNK outputs at a time, so the kernel's fallback on a GPU never holds a whole
+    head in float32 (2.5 GB at Qwen3.5-4B's 248K x 2560)."""
+    xf = x.float()
+    parts = [xf @ dequantize_int8(q[i:i + REFERENCE_CHUNK], scales[:, i:i + REFERENCE_CHUNK]).t() for i in range(0, q.shape[0], REFERENCE_CHUNK)]
+    return torch.cat(parts, -1).to(x.dtype)
 
 
 if HAVE_TRITON:
