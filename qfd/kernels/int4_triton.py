@@ -659,7 +659,11 @@ if _HAVE_TRITON:
         - the offsets come off per row and step: sum_j f_j x_j - A_p with A_p = sum_j (M_j + z)
           x_j (M_j the slot's 128 or 2048) - no per-tile sum of x across threads.
         The 2048 slot cancels ~8 bits of fp32's 24 within a step's 8 products (128: ~4), far
-        below bf16's rounding of the output."""
+        below bf16's rounding of the output. EVEN_K and EVEN_N (whole steps, N % BN == 0): the
+        weight and scale loads go unmasked. Static sm_90 SASS at the decode's shapes: 3.38
+        instructions per weight in the main loop, against 4.59 (`_int4_gemv_kernel`) and 6.1
+        (`_int4_mm_kernel`'s CUDA-core path); not yet timed on a GPU (docs/benchmarks.md,
+        twenty-fifth session), so only a tuned entry or QFD_INT4_GEMV=two_slot selects it."""
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         R: tl.constexpr = 16 * TILES
