@@ -944,23 +944,26 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
 
 def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, cfg: KernelConfig, y: torch.Tensor,
           prefetch: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """One row through `_int4_gemv_kernel` into y [1, N] (gated: [1, N / 2])."""
+    """One row into y [1, N] (gated: [1, N / 2]) through `_int4_gemv_two_slot_kernel` (cfg.two_slot
+    and x readable as aligned bf16 pairs) or `_int4_gemv_kernel`."""
     n = packed.out_features
+    kt = packed.qweight.shape[0] // 16
     grid_n = -(-n // cfg.block_n)
-    steps = -(-(packed.qweight.shape[0] // 16) // cfg.tiles)
-    split = min(cfg.split_k, steps) if grid_n <= packed.counters.numel() else 1
+    split = min(cfg.split_k, -(-kt // cfg.tiles)) if grid_n <= packed.counters.numel() else 1
     ws = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    # the two kernels' common operands and specializations
+    operands = (x, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
+                bias if bias is not None else packed.scales, y, ws, packed.counters, n, packed.in_features, kt)
+    shared = dict(GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
+                  BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, USE_ASM=not interpreting(), GATED=gated,
+                  EVEN_K=packed.in_features % TILE_K == 0 and kt % cfg.tiles == 0,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_prefetch_args(prefetch, packed.qweight, cfg.num_warps))
     if cfg.two_slot and x.dtype == torch.bfloat16 and packed.in_features % 2 == 0 and x.data_ptr() % 4 == 0:  # x read as bf16 pairs
-        _int4_gemv_two_slot_kernel[(grid_n, split)](
-            x, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
-            bias if bias is not None else packed.scales, y, ws, packed.counters,
-            n, packed.in_features, packed.qweight.shape[0] // 16,
-            GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
-            BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, USE_ASM=not interpreting(), GATED=gated,
-            EVEN_K=packed.in_features % TILE_K == 0 and (packed.qweight.shape[0] // 16) % cfg.tiles == 0, EVEN_N=n % cfg.block_n == 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_prefetch_args(prefetch, packed.qweight, cfg.num_warps),
-        )
+        _int4_gemv_two_slot_kernel[(grid_n, split)](*operands, **shared, EVEN_N=n % cfg.block_n == 0)
         return y
+    pdl = _pdl(cfg, x)
+    _int4_gemv_kernel[(grid_n, split)](*operands, **shared, OFFSET_SUM=cfg.offset_sum, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    return y
     pdl = _pdl(cfg, x)
     _int4_gemv_kernel[(grid_n, split)](
         x, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
