@@ -7,7 +7,7 @@ events after WARMUP calls; calls of this size need no graph to hide launch overh
   int4       Int4Linear(kernel="triton") as wired: up to KERNEL_MAX_ROWS["triton"] rows the
              Triton W4A16 matmul, beyond that qfd.kernels.int4_dequant's kernel + x @ w_t (cuBLAS)
   dequant    that dequant kernel alone (w_t [K, N] bf16), with its bandwidth
-  old        the path it replaced: int4_triton.dequantize_packed (torch ops) + F.linear
+  old        the path it replaced: int4_layout.dequantize_packed (torch ops) + F.linear
 Also checks the int4 layer against the old path's output (max |diff| / max |old|).
 
     python bench/bench_int4_dequant.py [--rows 64,256,1024,2048] [--out int4_dequant.json]
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qfd.kernels import int4_triton  # noqa: E402
+from qfd.kernels import int4_layout, int4_triton  # noqa: E402
 from qfd.kernels.int4_dequant import int4_dequant_op  # noqa: E402
 from qfd.quant.grid import rtn_quantize  # noqa: E402
 from qfd.quant.int4_linear import KERNEL_MAX_ROWS, Int4Linear  # noqa: E402
@@ -73,10 +73,10 @@ def main() -> None:
 
     for name, n, k in SHAPES:
         qw = rtn_quantize(torch.randn(n, k, device=dev) * 0.02, GROUP, scale_dtype=dtype)
-        packed = int4_triton.pack_for_triton(qw, dev, scale_dtype=dtype)
+        packed = int4_layout.pack_for_triton(qw, dev, scale_dtype=dtype)
         layer = Int4Linear(qw, device=dev, dtype=dtype, kernel="triton")
         assert layer.mode == "triton", layer.mode
-        dense = int4_triton.dequantize_packed(packed, dtype)
+        dense = int4_layout.dequantize_packed(packed, dtype)
         op_args = (packed.qweight, packed.scales, packed.zeros, GROUP, k, dtype)
         dequant_us = time_us(lambda: int4_dequant_op(*op_args))
         nbytes = packed.nbytes() + n * k * 2  # codes + scales in, bf16 w_t out
@@ -85,8 +85,8 @@ def main() -> None:
             row = {"shape": name, "n": n, "k": k, "m": m, "dequant_us": dequant_us, "dequant_gbps": nbytes / (dequant_us * 1e-6) / 1e9}
             row["bf16_us"] = time_us(lambda: F.linear(x, dense))
             row["int4_us"] = time_us(lambda: layer(x))
-            row["old_us"] = time_us(lambda: F.linear(x, int4_triton.dequantize_packed(packed, dtype)))
-            old = F.linear(x, int4_triton.dequantize_packed(packed, dtype)).float()
+            row["old_us"] = time_us(lambda: F.linear(x, int4_layout.dequantize_packed(packed, dtype)))
+            old = F.linear(x, int4_layout.dequantize_packed(packed, dtype)).float()
             row["int4_rel_err_vs_old"] = float((layer(x).float() - old).abs().max() / old.abs().max())
             results["rows"].append(row)
             args.out.write_text(json.dumps(results, indent=2))

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qfd.kernels import int4_triton  # noqa: E402
+from qfd.kernels import int4_configs, int4_layout, int4_triton  # noqa: E402
 from qfd.models.graphs import capture  # noqa: E402
 from qfd.quant.grid import rtn_quantize  # noqa: E402
 from qfd.quant.int4_linear import tinygemm_operands  # noqa: E402
@@ -105,37 +105,37 @@ def sweep_configs(m: int, grid: str = "full"):
         # 128 outputs on 4 warps (fewest instructions per weight, 157-191 registers) and on 8
         # (two warpgroups: 64 each, the registers of 64 on 4 warps)
         for (bn, warps), split, stages in itertools.product(((64, 4), (128, 4), (128, 8)), (2, 4, 8, 16), (2, 3)):
-            yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=warps, num_stages=stages, block_m=block_m, mma16=True)
+            yield int4_configs.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=warps, num_stages=stages, block_m=block_m, mma16=True)
         return
     if grid == "two_slot":  # one row: `_int4_gemv_two_slot_kernel` (the sweep times the served config beside it)
         for (bn, tiles, warps), split in itertools.product(((32, 1, 4), (64, 1, 4), (128, 1, 4), (128, 1, 8), (32, 2, 4), (64, 2, 4)), (2, 4, 8, 16)):
-            yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps, tiles=tiles, two_slot=True)
+            yield int4_configs.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps, tiles=tiles, two_slot=True)
         return
     if grid == "gemv":  # one row: the served splits and `_int4_gemv_kernel` (offset-sum arithmetic)
         yield from sweep_configs(m, "split")
         for (bn, tiles), split in itertools.product(((64, 1), (128, 1), (64, 2), (32, 2)), (2, 4, 8, 16)):
-            yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=4, tiles=tiles, offset_sum=True)
+            yield int4_configs.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=4, tiles=tiles, offset_sum=True)
         for bn, split in ((64, 4), (64, 8), (128, 4)):  # and `_int4_mma_kernel` as a 16-row block
-            yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=2, mma16=True)
+            yield int4_configs.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=2, mma16=True)
         return
     if grid == "split":
         if m == 1:
             for bn, split, warps in itertools.product((16, 32, 64, 128), (2, 4, 8, 16, 32), (2, 4)):
-                yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps)
+                yield int4_configs.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps)
         else:
             for bn, split, stages in itertools.product((64, 128), (2, 4, 8, 16), (2, 3)):
-                yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, block_m=block_m)
+                yield int4_configs.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, block_m=block_m)
         return
     if m == 1:
         for (bn, tiles), split, warps, stages in itertools.product(
             ((32, 1), (64, 1), (128, 1), (32, 2), (64, 2), (128, 2), (32, 4), (64, 4)), (1, 2, 4, 8), (4, 8), (1, 3)
         ):
-            yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps, num_stages=stages, tiles=tiles, offset_sum=True)
+            yield int4_configs.KernelConfig(use_dot=False, block_n=bn, split_k=split, num_warps=warps, num_stages=stages, tiles=tiles, offset_sum=True)
         for bn, split in itertools.product((64, 128), (1, 4, 8)):
-            yield int4_triton.KernelConfig(use_dot=False, block_n=bn, split_k=split)
+            yield int4_configs.KernelConfig(use_dot=False, block_n=bn, split_k=split)
     else:
         for bn, split, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (1, 2)):
-            yield int4_triton.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, block_m=block_m)
+            yield int4_configs.KernelConfig(use_dot=True, block_n=bn, split_k=split, num_warps=4, num_stages=stages, block_m=block_m)
 
 
 def main() -> None:
@@ -193,9 +193,9 @@ def main() -> None:
         row["tinygemm_us"] = graph_time_us([lambda p=p: torch.ops.aten._weight_int4pack_mm(x, p, args.group_size, sz) for p in copies])
         del copies, packed_tg
         if have_triton:
-            packed = int4_triton.pack_for_triton(qw, dev, scale_dtype=dtype)
+            packed = int4_layout.pack_for_triton(qw, dev, scale_dtype=dtype)
             packs = [packed] + [replace(packed, qweight=packed.qweight.clone(), scales=packed.scales.clone()) for _ in range(n_int4 - 1)]
-            ref = int4_triton.reference_matmul(x, packed).float() if n * k <= 2**27 else None  # the head's float32 reference would take 2.5 GB
+            ref = int4_layout.reference_matmul(x, packed).float() if n * k <= 2**27 else None  # the head's float32 reference would take 2.5 GB
 
             def timed(cfg=None, rel_err_key=None):
                 if rel_err_key and ref is not None:
@@ -204,11 +204,11 @@ def main() -> None:
                 return graph_time_us([lambda p=p: int4_triton.int4_matmul(x, p, config=cfg) for p in packs])
 
             row["triton_us"] = timed(None, "triton_rel_err")
-            row["triton_config"] = vars(int4_triton.pick_config(m, n, k, x.device))  # the config timed just above
+            row["triton_config"] = vars(int4_configs.pick_config(m, n, k, x.device))  # the config timed just above
             if args.gated and n % 2 == 0:
                 row.update(gated_timings(x, packs, ref))
             if args.ab:
-                by_config: dict[int4_triton.KernelConfig, dict] = {}  # a variant that is the served config is timed once
+                by_config: dict[int4_configs.KernelConfig, dict] = {}  # a variant that is the served config is timed once
 
                 def variant(cfg):
                     if cfg not in by_config:
@@ -220,9 +220,9 @@ def main() -> None:
                 best = None
                 grid = sweep_configs(m, args.sweep_grid)
                 if args.sweep_grid == "two_slot":  # a grid of the new kernel alone: the served config competes too
-                    grid = itertools.chain([int4_triton.pick_config(m, n, k, x.device)], grid)
+                    grid = itertools.chain([int4_configs.pick_config(m, n, k, x.device)], grid)
                 for cfg in grid:
-                    if cfg.split_k > -(-k // int4_triton.TILE_K):
+                    if cfg.split_k > -(-k // int4_layout.TILE_K):
                         continue  # more splits than K tiles: idle programs
                     try:
                         t = timed(cfg)
@@ -297,14 +297,14 @@ def gated_timings(x: torch.Tensor, packs: list, ref: torch.Tensor | None) -> dic
     """A gate/up product's two ways, us per call in a CUDA graph: GATED (the kernel stores
     silu(gate) * up) and the plain product then the activation as torch.compile fuses it (one
     kernel: how a compiled step runs an MLP without the gated product), and the activation alone."""
-    act = torch.compile(int4_triton.silu_mul_interleaved)
+    act = torch.compile(int4_layout.silu_mul_interleaved)
     plain = int4_triton.int4_matmul(x, packs[0])
     act(plain)  # compile outside the graph
     out = {"gated_us": graph_time_us([lambda p=p: int4_triton.int4_matmul(x, p, gated=True) for p in packs]),
            "plain_act_us": graph_time_us([lambda p=p: act(int4_triton.int4_matmul(x, p)) for p in packs]),
            "act_us": graph_time_us(lambda: act(plain))}
     if ref is not None:
-        want = int4_triton.silu_mul_interleaved(ref)
+        want = int4_layout.silu_mul_interleaved(ref)
         got = int4_triton.int4_matmul(x, packs[0], gated=True).float()
         out["gated_rel_err"] = float((got - want).abs().max() / want.abs().max())
     return out
@@ -312,9 +312,9 @@ def gated_timings(x: torch.Tensor, packs: list, ref: torch.Tensor | None) -> dic
 
 def ab_variants(m: int, n: int, k: int):
     """(label, KernelConfig) of what --ab times against the served config (label "served")."""
-    served = int4_triton.pick_config(m, n, k, torch.device("cuda"))
+    served = int4_configs.pick_config(m, n, k, torch.device("cuda"))
     if served.use_dot and served.mma16 is None:  # the kernel it runs, named: the "mma16" or "old" variant is then the same config
-        served = replace(served, mma16=int4_triton.MMA16)
+        served = replace(served, mma16=int4_configs.MMA16)
     yield "served", served
     if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch (QFD_INT4_PDL=1)
         yield "pdl", replace(served, pdl=True)
@@ -335,9 +335,9 @@ def ab_variants(m: int, n: int, k: int):
         yield "mma16 s3", replace(served, mma16=True, num_stages=3)
         yield "mma16 bn64", replace(served, mma16=True, block_n=64)
     if m == 1:  # the two-slot gemv at the served outputs per program and split (QFD_INT4_GEMV=two_slot)
-        yield "two_slot", int4_triton.as_two_slot(served)
+        yield "two_slot", int4_configs.as_two_slot(served)
     if m == 1:  # the tensor-core path for one row (15 of its 16 rows masked), exact and magic
-        dot = int4_triton.heuristic_config(16, n, k)
+        dot = int4_configs.heuristic_config(16, n, k)
         yield "dot", replace(dot, magic=False, mma16=False)
         yield "dot+magic", replace(dot, magic=True, mma16=False)
         yield "dot+mma16", replace(dot, mma16=True)
@@ -397,11 +397,11 @@ def ab_table(rows: list[dict]) -> None:
 
 def write_tuned(where: str, results: dict) -> str:
     """The sweep's best config per (rows, N, K) as the GPU's tuned table (`where`, or
-    int4_triton.tuned_file of the GPU when empty); rewritten after every shape, so a sweep cut
+    int4_configs.tuned_file of the GPU when empty); rewritten after every shape, so a sweep cut
     short by a time limit still leaves what it found. Entries of the table already there that
     this run did not time (other row counts or shapes) are kept, so a sweep of 16 rows alone
     does not drop the one-row entries."""
-    path = Path(where) if where else int4_triton.tuned_file(results["device"])
+    path = Path(where) if where else int4_configs.tuned_file(results["device"])
     kept = json.loads(path.read_text())["configs"] if path.is_file() else []
     best: dict[tuple, dict] = {}  # two linears of one shape (o_proj, out_proj): one entry, the faster
     for r in results["rows"]:

@@ -54,7 +54,7 @@ from qfd.engine import GRAPHED_PREFILL_MAX_TOKENS, PREFILL_CHUNK  # noqa: E402
 from qfd import kernels  # noqa: E402
 from qfd.kernels import attention_triton, gdn_fla, gdn_triton, gdn_verify_triton  # noqa: E402
 from qfd.draft_vocab import DraftVocabHead  # noqa: E402
-from qfd.kernels.int4_triton import BLOCK_M_32, MAGIC_DOT, MMA16, MMA16_ONE_ROW, PDL_LAUNCH, W_FIRST_DOT  # noqa: E402
+from qfd.kernels.int4_configs import BLOCK_M_32, MAGIC_DOT, MMA16, MMA16_ONE_ROW, PDL_LAUNCH, W_FIRST_DOT  # noqa: E402
 from qfd.models import cache as target_cache  # noqa: E402
 from qfd.models import gdn as gdn_module  # noqa: E402
 from qfd.models.drafter import DFlashDrafter, config_for_target  # noqa: E402

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from qfd.kernels import int4_triton  # noqa: E402
+from qfd.kernels import int4_configs, int4_layout, int4_triton  # noqa: E402
 from qfd.quant.grid import rtn_quantize  # noqa: E402
 
 
@@ -39,15 +39,15 @@ def main() -> None:
         sys.exit("profile_int4_ncu.py needs CUDA and Triton")
     torch.manual_seed(0)
     qw = rtn_quantize(torch.randn(args.n, args.k, device="cuda") * 0.02, 128, scale_dtype=torch.bfloat16)
-    packed = int4_triton.pack_for_triton(qw, "cuda", scale_dtype=torch.bfloat16)
+    packed = int4_layout.pack_for_triton(qw, "cuda", scale_dtype=torch.bfloat16)
     for m in (int(r) for r in args.rows.split(",")):
         x = torch.randn(m, args.k, device="cuda", dtype=torch.bfloat16)
-        served = int4_triton.pick_config(m, args.n, args.k, x.device)
+        served = int4_configs.pick_config(m, args.n, args.k, x.device)
         for form in args.forms.split(","):
             if form == "served":
                 cfg = served
             elif form == "mma16":
-                cfg = replace(served if served.use_dot else int4_triton.heuristic_config(16, args.n, args.k), mma16=True)
+                cfg = replace(served if served.use_dot else int4_configs.heuristic_config(16, args.n, args.k), mma16=True)
             elif form == "old":
                 cfg = replace(served, mma16=False)
             else:

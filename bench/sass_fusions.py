@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.sass_int4 import compile_kernel, kernel_forms, main_loop_stats  # noqa: E402
-from qfd.kernels import gdn_triton, int4_triton  # noqa: E402
+from qfd.kernels import gdn_triton, int4_configs, int4_layout  # noqa: E402
 
 GATE_UP = ("fused mlp gate_up", 18432, 2560)  # Qwen3.5-4B
 GDN = dict(C=8192, KC=4, H=32, DK=128, DV=128, K_HEADS=16, AB_ROW=12352)  # Qwen3.5-4B's GDN layer
@@ -37,11 +37,11 @@ _GDN_POINTERS = ("win_ptr", "cw_ptr", "a_ptr", "b_ptr", "alog_ptr", "dtb_ptr", "
 def gated_study(gpu: str, arch: int, rows=(1, 16, 32)) -> list[dict]:
     """Per row count and kernel form: registers, main-loop and whole-kernel instructions, plain vs GATED."""
     name, n, k = GATE_UP
-    tuned = int4_triton.tuned_configs(gpu)
+    tuned = int4_configs.tuned_configs(gpu)
     out = []
     for m in rows:
-        cfg = tuned.get((m if m == 1 else 16 if m <= 16 else 32, n, k)) or int4_triton.heuristic_config(m, n, k)
-        values = {"M": m, "N": n, "K": k, "KT": -(-k // int4_triton.TILE_K), "stride_xm": k, "stride_ym": n // 2}
+        cfg = tuned.get((m if m == 1 else 16 if m <= 16 else 32, n, k)) or int4_configs.heuristic_config(m, n, k)
+        values = {"M": m, "N": n, "K": k, "KT": -(-k // int4_layout.TILE_K), "stride_xm": k, "stride_ym": n // 2}
         for label, fn, args, constants, used, _ in kernel_forms(m, n, k, cfg):
             row = {"rows": m, "form": label}
             for gated in (False, True):

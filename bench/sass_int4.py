@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_int4_kernels import SHAPES  # noqa: E402
-from qfd.kernels import int4_triton  # noqa: E402
+from qfd.kernels import int4_configs, int4_layout, int4_triton  # noqa: E402
 
 SASS_LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);")
 MEMORY_MOVES = ("STS", "LDS", "LDSM", "BAR")
@@ -100,7 +100,7 @@ _MM_ARGS = {name: ("*i32" if name in ("q_ptr", "cnt_ptr") else "*fp32" if name =
 _GEMV_ARGS = {name: _MM_ARGS[name] for name in _POINTERS} | {name: "i32" for name in ("N", "K", "KT")} | {"pf_ptr": "*i32", "pf_lines": "i32"}
 
 
-def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: int = 128):
+def kernel_forms(m: int, n: int, k: int, cfg: int4_configs.KernelConfig, group: int = 128):
     """(label, kernel, runtime args, constants, config, weights per thread per loop trip) of the
     forms worth comparing for this row count: `_int4_mm_kernel` (served for one row; for 2+ rows
     the older kernel, QFD_INT4_MMA16=0), for one row `_int4_gemv_two_slot_kernel`
@@ -118,11 +118,11 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
                base | dict(BM=bm, BN=cfg.block_n, USE_DOT=cfg.use_dot, DOT_IEEE=False, MAGIC_BITS=0, MAGIC=0.0, PDL=False, W_FIRST=False, EVEN_K=k % 128 == 0),
                cfg, 128 * cfg.block_n)
     if m == 1:  # the two-slot gemv with the served outputs per program and split (QFD_INT4_GEMV=two_slot)
-        two = int4_triton.as_two_slot(cfg)
+        two = int4_configs.as_two_slot(cfg)
         yield ("two-slot gemv", int4_triton._int4_gemv_two_slot_kernel, _GEMV_ARGS,
                base | dict(BN=two.block_n, TILES=two.tiles, USE_ASM=True, EVEN_K=k % 128 == 0 and (-(-k // 128)) % two.tiles == 0,
                            EVEN_N=n % two.block_n == 0), two, 128 * two.tiles * two.block_n)
-    dot = cfg if cfg.use_dot else int4_triton.heuristic_config(16, n, k)
+    dot = cfg if cfg.use_dot else int4_configs.heuristic_config(16, n, k)
     yield ("mma16" if cfg.use_dot else "mma16 (16-row block)", int4_triton._int4_mma_kernel, _MM_ARGS,
            dict(GROUP=group, HAS_ZEROS=False, HAS_BIAS=False, SPLIT_K=dot.split_k, PREFETCH=PREFETCH, PF=32 * dot.num_warps, BM=dot.block_m, BN=dot.block_n, MAGIC_BITS=0x4300, MAGIC=128.0,
                 EVEN_M=m % dot.block_m == 0, EVEN_N=n % dot.block_n == 0, EVEN_K=k % 128 == 0, USE_ASM=True),
@@ -132,12 +132,12 @@ def kernel_forms(m: int, n: int, k: int, cfg: int4_triton.KernelConfig, group: i
 def study(rows: list[int], gpu: str, arch: int, shapes=SHAPES) -> list[dict]:
     """One result per (row count, linear, kernel form), with the launch config `pick_config`
     would choose on `gpu` (its tuned table up to 16 rows, else the heuristic)."""
-    tuned = int4_triton.tuned_configs(gpu)
+    tuned = int4_configs.tuned_configs(gpu)
     out = []
     for m in rows:
         for name, n, k in shapes:
-            cfg = (tuned.get((1 if m == 1 else 16, n, k)) if m <= 16 else None) or int4_triton.heuristic_config(m, n, k)
-            values = {"M": m, "N": n, "K": k, "KT": -(-k // int4_triton.TILE_K), "stride_xm": k, "stride_ym": n}
+            cfg = (tuned.get((1 if m == 1 else 16, n, k)) if m <= 16 else None) or int4_configs.heuristic_config(m, n, k)
+            values = {"M": m, "N": n, "K": k, "KT": -(-k // int4_layout.TILE_K), "stride_xm": k, "stride_ym": n}
             for label, fn, args, constants, used, weights in kernel_forms(m, n, k, cfg):
                 sass, registers, shared = compile_kernel(fn, args, constants, used.num_warps, used.num_stages, arch, values)
                 loop = main_loop_stats(sass)

@@ -208,6 +208,23 @@ def check_tree_flag(tree: int, drafter) -> None:
         raise QfdError(f"--tree must be 0 (a chain) or at least 2 tokens (the last token and one draft); got {tree}")
 
 
+def check_speculation_flags(drafter, draft_len: int | str | None, short_block: bool, tree: int, draft_vocab: int | None) -> None:
+    """The drafter options `generate`, `serve` and `eval` share, checked before any model loads:
+    each needs a drafter, and each value must make sense on its own (the drafter's own limits,
+    its block size and draft vocabulary, are checked once it is known)."""
+    from qfd.draft_vocab import check_draft_vocab_flag
+
+    if draft_len is not None and not drafter:
+        raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
+    if isinstance(draft_len, int) and draft_len < 1:
+        raise QfdError(f"--draft-len must be >= 1 (got {draft_len})")
+    if short_block and not drafter:
+        raise QfdError("--short-block needs a drafter (--drafter) and --draft-len")
+    check_short_block_flag(short_block, draft_len)
+    check_tree_flag(tree, drafter)
+    check_draft_vocab_flag(draft_vocab, drafter)
+
+
 def check_tree(tree_size: int | None, tree_width: int, drafter) -> tuple[int, int]:
     """(N, W) for tree verification, or (0, W) for a chain; a user error is one QfdError line."""
     n = int(tree_size or 0)

@@ -11,7 +11,6 @@ qwen3.5-4b: the paper's hyperparameters (method.md) for a GPU box.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from qfd.stages.all import Paths, Step

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from qfd.kernels import int4_triton
+from qfd.kernels import int4_layout, int4_triton
 from qfd.models.fuse import fuse_projections
 from qfd.models.linear import Linear
 from qfd.models.loading import load_target
@@ -110,7 +110,7 @@ def test_fused_int4_model_matches_unfused(checkpoints, family, kernel, symmetric
         parts = model.model.layers[0].mlp.gate_proj, model.model.layers[0].mlp.up_proj
         # a gated pair: gate and up interleaved column by column, silu(gate) * up from the product
         assert gate_up.gated and "gated" in repr(gate_up)
-        assert torch.equal(gate_up.triton_qweight, int4_triton.interleave_columns(parts[0].triton_qweight, parts[1].triton_qweight))
+        assert torch.equal(gate_up.triton_qweight, int4_layout.interleave_columns(parts[0].triton_qweight, parts[1].triton_qweight))
         assert (gate_up.triton_zeros is None) == symmetric
         assert not gate_up.triton_counters.any() and gate_up.triton_counters.shape == parts[0].triton_counters.shape
     else:

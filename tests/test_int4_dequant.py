@@ -1,6 +1,6 @@
 """qfd's INT4 dequant kernel (qfd.kernels.int4_dequant) and Int4Linear's long-prompt path.
 
-The kernel must reproduce `int4_triton.dequantize_packed` bit for bit (transposed): float32
+The kernel must reproduce `int4_layout.dequantize_packed` bit for bit (transposed): float32
 (u - z) * s, then one rounding to the output dtype. Kernel tests run where Triton does (a GPU,
 or TRITON_INTERPRET=1 on a CPU); the op's torch fallback and Int4Linear's wiring run on CI."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qfd.kernels import int4_dequant, int4_triton, interpreting
+from qfd.kernels import int4_dequant, int4_layout, interpreting
 from qfd.quant.grid import dequantize, rtn_quantize
 from qfd.quant.int4_linear import KERNEL_MAX_ROWS, Int4Linear
 from tests.test_int4_triton import needs_triton
@@ -24,7 +24,7 @@ SHAPES = [(40, 256, 128), (24, 320, 64), (16, 96, 32), (72, 512, 256), (33, 768,
 def packed_weight(n, k, group, symmetric, scale_dtype=torch.float32, device="cpu", seed=0):
     torch.manual_seed(seed)
     qw = rtn_quantize(torch.randn(n, k) * 0.05, group, symmetric=symmetric, scale_dtype=scale_dtype)
-    return int4_triton.pack_for_triton(qw, device)
+    return int4_layout.pack_for_triton(qw, device)
 
 
 def op_args(packed):
@@ -33,7 +33,7 @@ def op_args(packed):
 
 def reference_t(packed, dtype):
     """The float32 torch reference, transposed to [K, N], rounded once to `dtype`."""
-    return int4_triton.dequantize_packed(packed, torch.float32).t().to(dtype)
+    return int4_layout.dequantize_packed(packed, torch.float32).t().to(dtype)
 
 
 def assert_matches_reference(got, packed, dtype):

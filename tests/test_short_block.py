@@ -89,6 +89,14 @@ def test_cli_short_block_without_a_draft_len_is_one_error_line(chat_drafters, ca
     _one_error_line(*_cli([*engine_command(command, target), "--drafter", plain, "--short-block"], capsys)[::2], "--short-block needs --draft-len")
 
 
+@pytest.mark.parametrize("command", ["generate", "serve", "eval"])
+def test_cli_short_block_without_a_drafter_is_one_error_line(chat_drafters, capsys, command):
+    """One shared check (`check_speculation_flags`) for the three commands: with no drafter the
+    line names the drafter, not only the draft length."""
+    target = str(chat_drafters[0])
+    _one_error_line(*_cli([*engine_command(command, target), "--short-block"], capsys)[::2], "--short-block needs a drafter")
+
+
 def test_cli_generate_and_serve_with_a_short_block(chat_drafters, capsys):
     from qfd.stages.serve import ServeConfig, run
 

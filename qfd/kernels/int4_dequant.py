@@ -7,7 +7,7 @@ The output is w_hat TRANSPOSED, w_t [K, N] row-major: column n of the packed `qw
 writes 128 rows of BLOCK_N consecutive outputs, coalesced on both sides. `x @ w_t` is as good a
 cuBLAS call as `F.linear(x, w_hat)`.
 
-Arithmetic as `int4_triton.dequantize_packed`: w = (u - z) * s in float32 (u - z exact,
+Arithmetic as `int4_layout.dequantize_packed`: w = (u - z) * s in float32 (u - z exact,
 one rounding in the product), then one rounding to `dtype`: bit-exact against it.
 
 The pure-torch `dequantize_packed` chain took ~1 ms per linear at 9216x2560 on the H200 (eight
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from qfd.kernels import HAVE_TRITON, launch_or_fallback, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
-from qfd.kernels.int4_triton import TILE_K, TritonInt4Weight, check_group_size, dequantize_packed
+from qfd.kernels.int4_layout import TILE_K, TritonInt4Weight, check_group_size, dequantize_packed
 
 BLOCK_N = 128  # outputs per program: a [16, 128] int32 block in, 128 rows x 256 bytes (bf16) out
 NUM_WARPS = 4

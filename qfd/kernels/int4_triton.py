@@ -1,20 +1,8 @@
 """W4A16 matmul in Triton: y = x @ w_hat.T (+ b), w_hat = (q - z) * s, for decode (M = 1) and
 speculative verify (M = 16) row counts, correct for any M.
 
-Layout (`pack_for_triton`), chosen so every weight load is a coalesced, 16-byte-per-thread row
-of N int32 and one mask-or turns a word into a pair of 16-bit weights adjacent in K:
-  qweight [K_pad / 8, N] int32. K is cut into tiles of 128; tile t owns packed rows
-          16t .. 16t+15. Bits 4j..4j+3 of row 16t + p, column n hold the code u of weight
-          (n, k = 128t + 32 (j mod 4) + 2p + j // 4): nibbles j and j + 4 (bits 4j and 4j + 16)
-          are the K neighbours 2p and 2p + 1 of the 32-wide slice j, so
-          ((word >> 4j) & 0x000F000F) | MAGIC is the pair as two 16-bit floats, the register
-          a tensor-core operand holds (`_int4_mma_kernel`); nibble j alone is a stride-2 K slice
-          of 16 (the CUDA-core paths).
-  scales  [K_pad / g, N] (the QuantizedWeight's dtype), zeros [K_pad / g, N] uint8 or None.
-  u = q + 8 for symmetric weights (zero point 8), u = q with per-group zeros otherwise.
-  Group sizes: multiples of 32 dividing 128, or multiples of 128 (a 32-wide slice never
-  straddles two groups).
-K is padded to a multiple of 128 (padded weights have u = z: they contribute 0; x is masked).
+Layout of the packed operands: `qfd.kernels.int4_layout`; launch configs and their knobs:
+`qfd.kernels.int4_configs`.
 
 Dequantization in registers: u | 0x4B000000 read as float is 2^23 + u exactly, so
 (2^23 + u) - (2^23 + z) gives q - z with one subtract (no int->float conversion). Group
@@ -33,154 +21,17 @@ are unchanged. H100: 1.07-1.12x the plain product + compiled activation at 1, 16
 
 from __future__ import annotations
 
-import functools
-import json
-import math
-import os
-import re
-from dataclasses import dataclass, replace
-from pathlib import Path
-
 import torch
 
-from qfd.quant.types import QuantizedWeight
-
-TILE_K = 128  # K per packed tile (16 int32 rows x 8 nibbles)
-_COUNTER_TILES = 8192  # counters per packed weight: (M tiles) x (N tiles) that split-K may use
-
-from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, interpreting, runs_on, tl, triton  # noqa: F401 (tl: the kernel)
+from qfd.kernels import HAVE_TRITON as _HAVE_TRITON, int4_configs as configs, interpreting, runs_on, tl, triton  # noqa: F401 (tl: the kernels)
+from qfd.kernels.int4_configs import KernelConfig, pick_config
+from qfd.kernels.int4_layout import TILE_K, TritonInt4Weight, reference_matmul
 
 
 def available() -> bool:
     """True when the Triton kernel can run here: triton importable and a CUDA device (or the
     CPU interpreter, TRITON_INTERPRET=1, for tests)."""
     return _HAVE_TRITON and (torch.cuda.is_available() or interpreting())
-
-
-@dataclass
-class TritonInt4Weight:
-    """Packed operands of one INT4 linear for `int4_matmul` (shapes in the module docstring)."""
-
-    qweight: torch.Tensor  # [K_pad/8, N] int32
-    scales: torch.Tensor  # [K_pad/g, N]
-    zeros: torch.Tensor | None  # [K_pad/g, N] uint8, None = symmetric (zero point 8)
-    counters: torch.Tensor  # [_COUNTER_TILES] int32, zero between launches
-    group_size: int
-    in_features: int  # K (unpadded)
-    out_features: int  # N
-
-    @property
-    def padded_in(self) -> int:
-        return self.qweight.shape[0] * 8
-
-    def nbytes(self) -> int:
-        """Bytes a matmul must read for the weight (codes + scales + zeros)."""
-        z = self.zeros.numel() * self.zeros.element_size() if self.zeros is not None else 0
-        return self.qweight.numel() * 4 + self.scales.numel() * self.scales.element_size() + z
-
-
-def check_group_size(group_size: int, who: str) -> None:
-    """ValueError unless the layout takes this group size: a multiple of 32 dividing 128 (a
-    32-wide slice, a nibble pair's span, never straddles two groups) or a multiple of 128."""
-    g = int(group_size)
-    if g % 32 != 0 or (g < TILE_K and TILE_K % g != 0):
-        raise ValueError(f"{who}: group size {g} must be a multiple of 32 dividing 128, or a multiple of 128")
-
-
-def pack_for_triton(qweight: QuantizedWeight, device: torch.device | str | None = None, scale_dtype: torch.dtype | None = None) -> TritonInt4Weight:
-    """QuantizedWeight (codes [N, K], scales/zeros [N, K/g]) -> TritonInt4Weight on `device`
-    (default: the codes' device). Pure torch; raises ValueError for codes that do not fit a nibble."""
-    g = int(qweight.group_size)
-    check_group_size(g, "pack_for_triton")
-    codes = qweight.codes.to(torch.int32)
-    n, k = codes.shape
-    if k % g != 0 or qweight.scales.shape != (n, k // g):
-        raise ValueError(f"pack_for_triton: scales {tuple(qweight.scales.shape)} do not match codes {(n, k)} with group {g}")
-    unit = TILE_K * g // math.gcd(TILE_K, g)
-    k_pad = -(-k // unit) * unit
-    pad_groups = (k_pad - k) // g
-    if qweight.zeros is None:
-        u = codes + 8
-        zeros = None
-        pad_code = 8
-    else:
-        u = codes
-        zeros = qweight.zeros.to(torch.int32)
-        # 4-bit zero points are 0..15 (16 in GPTQ's v1 offset); up to 128 keeps MAGIC + z exact in
-        # bf16 for `_int4_mma_kernel`
-        if int(zeros.min()) < 0 or int(zeros.max()) > 128:
-            raise ValueError("pack_for_triton: zero points must lie in 0..128")
-        pad_code = 0
-    if int(u.min()) < 0 or int(u.max()) > 15:
-        raise ValueError("pack_for_triton: codes outside the INT4 range (symmetric -8..7, zero-point 0..15)")
-    if k_pad != k:
-        u = torch.cat([u, torch.full((n, k_pad - k), pad_code, dtype=torch.int32, device=u.device)], 1)
-    # [N, K_pad] -> [N, T, 4 (slice j), 16 (p), 2 (e)], k = 128t + 32j + 2p + e
-    # -> word [T, 16 (p), N] = sum_(j, e) u << 4 (j + 4e)
-    u = u.reshape(n, k_pad // TILE_K, 4, 16, 2)
-    words = torch.zeros(n, k_pad // TILE_K, 16, dtype=torch.int64, device=u.device)
-    for j in range(4):
-        for e in range(2):
-            words |= u[:, :, j, :, e].to(torch.int64) << (4 * (j + 4 * e))
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # reinterpret as signed int32
-    packed = words.permute(1, 2, 0).reshape(k_pad // 8, n).contiguous()
-    scales = qweight.scales if scale_dtype is None else qweight.scales.to(scale_dtype)
-    if pad_groups:
-        scales = torch.cat([scales, torch.zeros(n, pad_groups, dtype=scales.dtype, device=scales.device)], 1)
-        if zeros is not None:
-            zeros = torch.cat([zeros, torch.zeros(n, pad_groups, dtype=zeros.dtype, device=zeros.device)], 1)
-    dev = torch.device(device) if device is not None else codes.device
-    return TritonInt4Weight(
-        qweight=packed.to(dev),
-        scales=scales.t().contiguous().to(dev),
-        zeros=None if zeros is None else zeros.t().contiguous().to(torch.uint8).to(dev),
-        counters=torch.zeros(_COUNTER_TILES, dtype=torch.int32, device=dev),
-        group_size=g,
-        in_features=k,
-        out_features=n,
-    )
-
-
-def unpack_codes(packed: TritonInt4Weight) -> torch.Tensor:
-    """Inverse layout: the nibbles u [N, K] int32 (u = q + 8 symmetric, u = q zero-point)."""
-    words = packed.qweight.to(torch.int64) & 0xFFFFFFFF  # [T*16, N]
-    t = words.shape[0] // 16
-    words = words.reshape(t, 16, -1)  # [T, p, N]
-    nibble = [(words >> (4 * j)) & 0xF for j in range(8)]
-    u = torch.stack([torch.stack([nibble[j], nibble[j + 4]], dim=2) for j in range(4)], dim=1)  # [T, j, p, e, N]
-    return u.reshape(t * TILE_K, -1).t()[:, : packed.in_features].to(torch.int32).contiguous()
-
-
-def dequantize_packed(packed: TritonInt4Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """w_hat [N, K] from the packed layout, in float32 then `dtype` (pure torch reference)."""
-    u = unpack_codes(packed).to(torch.float32)
-    k, g = packed.in_features, packed.group_size
-    s = packed.scales.t().to(torch.float32).repeat_interleave(g, 1)[:, :k]
-    z = 8.0 if packed.zeros is None else packed.zeros.t().to(torch.float32).repeat_interleave(g, 1)[:, :k]
-    return ((u - z) * s).to(dtype)
-
-
-def reference_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """Pure-torch int4_matmul: float32 math on the packed layout, result in x.dtype."""
-    w = dequantize_packed(packed).to(x.device)
-    y = x.to(torch.float32) @ w.t()
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return silu_mul_interleaved(y.to(x.dtype)) if gated else y.to(x.dtype)
-
-
-def interleave_columns(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """[..., N] and [..., N] -> [..., 2N] with column 2i = gate's i, 2i + 1 = up's i: a gate/up
-    pair's packed buffers (outputs along the last dim) for a GATED product."""
-    return torch.stack([gate, up], dim=-1).flatten(-2)
-
-
-def silu_mul_interleaved(y: torch.Tensor) -> torch.Tensor:
-    """A GATED product's epilogue in torch: y [..., 2N] (gate and up interleaved) -> silu(gate) *
-    up [..., N], in float32 from y's rounded values, rounded once (as the kernel, and as
-    inductor fuses an unfused MLP's silu * mul)."""
-    gate, up = y[..., 0::2].to(torch.float32), y[..., 1::2].to(torch.float32)
-    return (torch.nn.functional.silu(gate) * up).to(y.dtype)
 
 
 # --------------------------------------------------------------------------- kernel
@@ -722,156 +573,14 @@ if _HAVE_TRITON:
                    pid_n, pid_k, SPLIT_K, HAS_BIAS, GATED)
 
 
-@dataclass(frozen=True)
-class KernelConfig:
-    """Launch parameters. use_dot: tensor-core path (BM rows per program, BM >= 16) vs the
-    CUDA-core path (one row per program). tiles > 0 (one row, group a multiple of 128):
-    `_int4_gemv_kernel` with that many K tiles per loop step, offset_sum its arithmetic, or
-    with two_slot (bf16 x) `_int4_gemv_two_slot_kernel`."""
+# --------------------------------------------------------------------------- launchers
 
-    use_dot: bool
-    block_n: int
-    split_k: int
-    num_warps: int = 4
-    block_m: int = 16
-    num_stages: int = 1
-    tiles: int = 0
-    offset_sum: bool = False
-    two_slot: bool = False  # tiles > 0, bf16 x: `_int4_gemv_two_slot_kernel` (offset_sum does not apply)
-    magic: bool | None = None  # tensor-core path, 16-bit x: the MAGIC_BITS operand (None: MAGIC_DOT)
-    pdl: bool | None = None  # programmatic dependent launch on Hopper and later (None: PDL_LAUNCH)
-    w_first: bool | None = None  # tensor-core path: weights as the dot's first operand (None: W_FIRST_DOT)
-    mma16: bool | None = None  # tensor-core path, 16-bit x: `_int4_mma_kernel` (None: MMA16)
-
-
-# The tensor-core path's weight operand built straight in 16 bits (`_int4_mm_kernel`'s
-# MAGIC_BITS) for configs that do not say: QFD_INT4_MAGIC=1 turns it on. Measured slower
-# (0.53-0.72x summed at 1/16/32 rows on the H100, docs/benchmarks.md 2026-12-05 ninth session:
-# fewer ALU ops per weight, but the 16-bit operand's conversion into the MMA layout costs more),
-# so it stays off; kept for side-by-side runs on other GPUs (bench_int4_kernels.py --ab).
-MAGIC_DOT = os.environ.get("QFD_INT4_MAGIC", "0") == "1"
-# 17-32 rows (a 32-node tree verify) as one 32-row block instead of two 16-row blocks that
-# each dequantize the whole weight: 1.13x summed over the fused + drafter shapes at 32 rows
-# (H100, docs/benchmarks.md 2026-12-05 ninth session); QFD_INT4_BM32=0 for the old blocks.
-BLOCK_M_32 = os.environ.get("QFD_INT4_BM32", "1") == "1"
 _MAGIC = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}  # bit pattern of MAGIC, MAGIC
-# Programmatic dependent launch (Hopper and later; QFD_INT4_PDL=1): the kernel may start while
-# the one before it finishes - its first weight tile loads before `gdc_wait` (weights are
-# constants; x and every store come after it). Measured (H100, docs/benchmarks.md 2026-12-06
-# fourteenth session): 1.01-1.04x for a chain of INT4 products alone, but 7-10% slower steps -
-# in a model the kernel before a product is a norm or a GDN/attention kernel, whose SMs the
-# early-launched programs occupy while they wait. So it stays off.
-PDL_LAUNCH = os.environ.get("QFD_INT4_PDL", "0") == "1"
-# The tensor-core path with the weights as the dot's first operand (`_int4_mm_kernel`'s W_FIRST:
-# y.T = w @ x.T, the MMA's M the outputs, its N the 2-32 rows): QFD_INT4_WFIRST=1. Tried because
-# a 16-row product streams its weights at ~1.1 TB/s against cuBLAS's ~3 and Hopper's warpgroup
-# MMA takes only its first operand from registers. Measured (H100, docs/benchmarks.md 2026-12-06
-# fourteenth session): 0.95x at 16 rows, 1.06x at 32 (kernel level only) - the orientation is not
-# the bottleneck, so it stays off.
-W_FIRST_DOT = os.environ.get("QFD_INT4_WFIRST", "0") == "1"
-# The tensor-core path through `_int4_mma_kernel` (pipelined loads, two weights per lop3 as the
-# warpgroup MMA's register operand) for 16-bit x. On by default for products of 2 rows and more:
-# its first form measured 1.17x at 16 rows and 1.21x at 32 over `_int4_mm_kernel` (H100,
-# docs/benchmarks.md 2026-12-06 sixteenth session); the paired-nibble form another 1.03-1.06x /
-# up to 1.24x at the same launch configs of 64 outputs per program (H200, seventeenth session).
-# QFD_INT4_MMA16=0 restores the old kernel; QFD_INT4_MMA16=all also sends one-row products (the
-# decode) through it as a 16-row block, which lost there in its first form (0.88x summed).
-# One-row products through `_int4_gemv_two_slot_kernel` (QFD_INT4_GEMV=two_slot), whatever the
-# tuned table says: each keeps its table entry's outputs per program and K split (tiles 1 where
-# the entry is another kernel's). For A/B runs before a sweep has put the kernel in the table.
-GEMV_TWO_SLOT = os.environ.get("QFD_INT4_GEMV", "") == "two_slot"
-_MMA16_KNOB = os.environ.get("QFD_INT4_MMA16", "1")
-MMA16 = _MMA16_KNOB in ("1", "all")
-MMA16_ONE_ROW = _MMA16_KNOB == "all"
 
 
 def _pdl(cfg: KernelConfig, x: torch.Tensor) -> bool:
-    wanted = PDL_LAUNCH if cfg.pdl is None else cfg.pdl
+    wanted = configs.PDL_LAUNCH if cfg.pdl is None else cfg.pdl
     return wanted and x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device)[0] >= 9
-
-
-# Tuned launch configs per GPU model: qfd/kernels/tuned/<device name>.json, written by
-# `bench/bench_int4_kernels.py --sweep --write-tuned` on that GPU ({"device": ..., "configs":
-# [{"m": 1 | 16 | 32, "n": N, "k": K, <KernelConfig fields>}, ...]}). A product of 1 row looks up
-# m = 1, of 2-16 rows m = 16, of 17-32 rows (a 32-node tree verify) m = 32 - with 32-row blocks
-# (QFD_INT4_BM32) only; shapes or GPUs without an entry use `heuristic_config`.
-TUNED_DIR = Path(__file__).with_name("tuned")
-
-
-def tuned_file(device_name: str) -> Path:
-    return TUNED_DIR / (re.sub(r"[^A-Za-z0-9._-]+", "_", device_name) + ".json")
-
-
-@functools.lru_cache(maxsize=None)
-def tuned_configs(device_name: str) -> dict[tuple[int, int, int], KernelConfig]:
-    """(m, n, k) -> KernelConfig from the device's tuned file ({} without one)."""
-    path = tuned_file(device_name)
-    if not path.is_file():
-        return {}
-    fields = set(KernelConfig.__dataclass_fields__)
-    table = {}
-    for entry in json.loads(path.read_text())["configs"]:
-        table[(entry["m"], entry["n"], entry["k"])] = KernelConfig(**{key: v for key, v in entry.items() if key in fields})
-    return table
-
-
-@functools.lru_cache(maxsize=None)
-def _current_device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
-def pick_config(m: int, n: int, k: int, device: torch.device | None = None) -> KernelConfig:
-    """Launch config for an M x K @ K x N product on `device`: the GPU's tuned entry for
-    (1, 16 or 32 rows, N, K) when it has one, else `heuristic_config`; one row as a 16-row
-    `_int4_mma_kernel` block under QFD_INT4_MMA16=all, through `_int4_gemv_two_slot_kernel` under
-    QFD_INT4_GEMV=two_slot."""
-    if m == 1 and MMA16_ONE_ROW:
-        return replace(heuristic_config(16, n, k), mma16=True)
-    if m == 1 and GEMV_TWO_SLOT:
-        return as_two_slot(_table_or_heuristic(1, n, k, device))
-    return _table_or_heuristic(m, n, k, device)
-
-
-def as_two_slot(cfg: KernelConfig) -> KernelConfig:
-    """A one-row config through `_int4_gemv_two_slot_kernel`, keeping its outputs per program,
-    K split and warps (1 tile a step where it was another kernel's)."""
-    return replace(cfg, use_dot=False, tiles=cfg.tiles or 1, two_slot=True, offset_sum=False, num_stages=1, mma16=None)
-
-
-def _table_or_heuristic(m: int, n: int, k: int, device: torch.device | None) -> KernelConfig:
-    """The GPU's tuned entry for (1, 16 or 32 rows, N, K), else `heuristic_config`."""
-    rows_key = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 and BLOCK_M_32 else None
-    if device is not None and device.type == "cuda" and rows_key is not None:
-        tuned = tuned_configs(_current_device_name(device.index if device.index is not None else torch.cuda.current_device()))
-        cfg = tuned.get((rows_key, n, k))
-        if cfg is not None:
-            # QFD_INT4_MMA16=0 holds for tuned entries too (the H100's 2-32-row entries were swept
-            # with the new kernel, so the older one then runs launch configs tuned for it, not for itself)
-            return cfg if MMA16 or not cfg.mma16 else replace(cfg, mma16=False)
-    return heuristic_config(m, n, k)
-
-
-def heuristic_config(m: int, n: int, k: int) -> KernelConfig:
-    """Launch config for shapes without a tuned entry. One row, read off the H200 sweep of
-    bench/bench_int4_kernels.py --sweep at Qwen3.5-4B's shapes (docs/benchmarks.md, 2026-12-04
-    fifth session; L2-hot weights): 64 outputs per program, K split 8. 2+ rows, from the H200
-    sweep of the paired-nibble `_int4_mma_kernel` (2026-12-06, seventeenth session): 64 outputs
-    per program, three pipeline stages, K split 4 for N >= 4096 (the sweep's best single config
-    over its shapes at 16 and at 32 rows); 128 outputs per program lost there to the registers
-    they take (0.74-0.86x at the same splits); below 2048 outputs, 32 and K split 8."""
-    kt = -(-k // TILE_K)
-    if m == 1:
-        cfg = KernelConfig(use_dot=False, block_n=64, split_k=8)
-    elif n >= 4096:
-        cfg = KernelConfig(use_dot=True, block_n=64, split_k=4, num_stages=3)
-    else:
-        cfg = KernelConfig(use_dot=True, block_n=64 if n >= 2048 else 32, split_k=8, num_stages=2)
-    split = cfg.split_k
-    while split > 1 and split > kt:  # every split needs at least one K tile
-        split //= 2
-    if BLOCK_M_32 and 16 < m <= 32:
-        cfg = replace(cfg, block_m=32)
-    return replace(cfg, split_k=split)
 
 
 def _prefetch_args(prefetch: torch.Tensor | None, fallback: torch.Tensor, num_warps: int) -> dict:
@@ -923,17 +632,17 @@ def int4_matmul(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | 
     shared = dict(GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
                   BM=bm, BN=cfg.block_n, SPLIT_K=split, num_warps=cfg.num_warps, num_stages=cfg.num_stages, GATED=gated,
                   **_prefetch_args(prefetch, packed.qweight, cfg.num_warps))
-    if cfg.use_dot and (MMA16 if cfg.mma16 is None else cfg.mma16) and x.dtype in _MAGIC:
+    if cfg.use_dot and (configs.MMA16 if cfg.mma16 is None else cfg.mma16) and x.dtype in _MAGIC:
         magic_bits, magic_value = _MAGIC[x.dtype]
         _int4_mma_kernel[(grid_n, split, grid_m)](
             *operands, **shared, MAGIC_BITS=magic_bits, MAGIC=magic_value,
             EVEN_M=m % bm == 0, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % TILE_K == 0, USE_ASM=not interpreting(),
         )
         return y.reshape(*lead, n_out)
-    magic = cfg.use_dot and (MAGIC_DOT if cfg.magic is None else cfg.magic) and x.dtype in _MAGIC
+    magic = cfg.use_dot and (configs.MAGIC_DOT if cfg.magic is None else cfg.magic) and x.dtype in _MAGIC
     magic_bits, magic_value = _MAGIC[x.dtype] if magic else (0, 0.0)
     pdl = _pdl(cfg, x)
-    w_first = cfg.use_dot and (W_FIRST_DOT if cfg.w_first is None else cfg.w_first)
+    w_first = cfg.use_dot and (configs.W_FIRST_DOT if cfg.w_first is None else cfg.w_first)
     _int4_mm_kernel[(grid_n, split, grid_m)](
         *operands, **shared, USE_DOT=cfg.use_dot, DOT_IEEE=x.dtype == torch.float32,
         MAGIC_BITS=magic_bits, MAGIC=magic_value, PDL=pdl, W_FIRST=w_first, EVEN_K=k % TILE_K == 0,
@@ -963,18 +672,6 @@ def _gemv(x: torch.Tensor, packed: TritonInt4Weight, bias: torch.Tensor | None, 
         return y
     pdl = _pdl(cfg, x)
     _int4_gemv_kernel[(grid_n, split)](*operands, **shared, OFFSET_SUM=cfg.offset_sum, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
-    return y
-    pdl = _pdl(cfg, x)
-    _int4_gemv_kernel[(grid_n, split)](
-        x, packed.qweight, packed.scales, packed.zeros if packed.zeros is not None else packed.scales,
-        bias if bias is not None else packed.scales, y, ws, packed.counters,
-        n, packed.in_features, packed.qweight.shape[0] // 16,
-        GROUP=packed.group_size, HAS_ZEROS=packed.zeros is not None, HAS_BIAS=bias is not None,
-        BN=cfg.block_n, TILES=cfg.tiles, SPLIT_K=split, OFFSET_SUM=cfg.offset_sum, PDL=pdl, USE_ASM=not interpreting(), GATED=gated,
-        EVEN_K=packed.in_features % TILE_K == 0 and (packed.qweight.shape[0] // 16) % cfg.tiles == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_prefetch_args(prefetch, packed.qweight, cfg.num_warps),
-        **({"launch_pdl": True} if pdl else {}),
-    )
     return y
 
 

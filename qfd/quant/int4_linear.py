@@ -98,7 +98,7 @@ def tinygemm_operands_from_triton(qweight: torch.Tensor, scales: torch.Tensor, z
     """`tinygemm_operands` from a Triton-mode layer's buffers (also a fused one, whose parts'
     QuantizedWeights are gone): u = the stored nibbles (0..15) and the float zero for which
     (u - 8) * s + zero = (u - z) * s, i.e. zero = (8 - z) * s (z = 8 when symmetric)."""
-    from qfd.kernels.int4_triton import TritonInt4Weight, unpack_codes
+    from qfd.kernels.int4_layout import TritonInt4Weight, unpack_codes
 
     groups = in_features // group_size
     layout = TritonInt4Weight(qweight, scales, zeros, torch.empty(0), group_size, in_features, qweight.shape[1])
@@ -166,12 +166,12 @@ class Int4Linear(nn.Module):
         self.mode = mode
 
     def _try_triton(self, qw: QuantizedWeight, device: torch.device, dtype: torch.dtype) -> None:
-        from qfd.kernels import int4_triton
+        from qfd.kernels import int4_layout, int4_triton
 
         if device.type == "cuda" and not int4_triton.available():
             return
         try:
-            packed = int4_triton.pack_for_triton(qw, device, scale_dtype=dtype)
+            packed = int4_layout.pack_for_triton(qw, device, scale_dtype=dtype)
         except ValueError:
             return  # a group size / code range the layout does not take: tinygemm or dequant
         for name in ("qweight", "scales", "zeros", "counters"):
@@ -236,7 +236,7 @@ class Int4Linear(nn.Module):
         else:
             y = self._other_matmul(x2, one_row_tinygemm)
             if self.gated:
-                from qfd.kernels.int4_triton import silu_mul_interleaved
+                from qfd.kernels.int4_layout import silu_mul_interleaved
 
                 y = silu_mul_interleaved(y)
         return y.reshape(*shape[:-1], y.shape[-1]).to(x.dtype)
@@ -260,13 +260,13 @@ class Int4Linear(nn.Module):
     def gated_pair(cls, gate: "Int4Linear", up: "Int4Linear") -> "Int4Linear | None":
         """One Triton-mode Int4Linear for an MLP's gate and up projections whose forward returns
         silu(gate) * up: the pair's buffers interleaved column by column
-        (`int4_triton.interleave_columns`), so the product's kernel can apply the activation as it
+        (`int4_layout.interleave_columns`), so the product's kernel can apply the activation as it
         stores each tile - no activation kernel, no [.., 2 x intermediate] round trip through
         memory - wherever the Triton kernel runs the product. None where they cannot
         pair (another mode, sizes, or what `concatenated` refuses)."""
         if gate.mode != "triton" or up.mode != "triton" or gate.out_features != up.out_features:
             return None
-        from qfd.kernels.int4_triton import interleave_columns
+        from qfd.kernels.int4_layout import interleave_columns
 
         fused = cls.concatenated([gate, up], join=interleave_columns)
         if fused is not None:

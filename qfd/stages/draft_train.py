@@ -132,7 +132,7 @@ def run(cfg: DraftTrainConfig) -> Path:
 
     from qfd.checkpoint import Staging, resolve_model
     from qfd.console import console
-    from qfd.data import data_stats, load_data_dir, load_prompts
+    from qfd.data import load_data_dir, load_prompts
     from qfd.device import pick_device, pick_dtype
     from qfd.distributed import init_from_env
     from qfd.draft_vocab import count_tokens, save_counts

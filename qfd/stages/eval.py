@@ -90,30 +90,20 @@ def validate(cfg: EvalConfig) -> dict[str, Any]:
     plan: dict[str, Any] = {"target": resolve_model(cfg.target).path}
     if cfg.baseline:
         plan["baseline"] = resolve_model(cfg.baseline).path
+    from qfd.engine import check_speculation_flags
+
+    check_speculation_flags(cfg.drafter, cfg.draft_len, cfg.short_block, cfg.tree, cfg.draft_vocab)
     if cfg.drafter:
         drafter = Path(cfg.drafter).expanduser()
         if not (drafter / "config.json").is_file():
             raise QfdError(f"drafter {drafter} is not a drafter directory (no config.json); pass the output of `qfd draft train`")
         plan["drafter"] = drafter.resolve()
         from qfd.draft_len_auto import check_draft_len_or_auto
-        from qfd.engine import check_short_block_flag, check_tree_flag
+        from qfd.draft_vocab import check_draft_vocab
         from qfd.models.drafter import read_drafter_config
 
         check_draft_len_or_auto(cfg.draft_len, drafter, read_drafter_config(drafter).block_size)
-        check_short_block_flag(cfg.short_block, cfg.draft_len)
-        check_tree_flag(cfg.tree, cfg.drafter)
-        from qfd.draft_vocab import check_draft_vocab, check_draft_vocab_flag
-
-        check_draft_vocab_flag(cfg.draft_vocab, cfg.drafter)
         check_draft_vocab(drafter, cfg.draft_vocab)
-    elif cfg.draft_len is not None:
-        raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
-    elif cfg.short_block:
-        raise QfdError("--short-block needs a drafter (--drafter) and --draft-len")
-    elif cfg.tree:
-        raise QfdError("--tree needs a drafter (--drafter); target-only decoding drafts nothing")
-    elif cfg.draft_vocab is not None:
-        raise QfdError("--draft-vocab needs a drafter (--drafter); target-only decoding drafts nothing")
     if cfg.compile_steps and cfg.backend == "hf":
         raise QfdError("--compile applies to qfd's engine; drop --backend hf")
     if (cfg.int4_head or cfg.int8_head) and cfg.backend == "hf":

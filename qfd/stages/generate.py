@@ -76,17 +76,9 @@ def check_config(cfg: GenerateConfig) -> None:
         raise QfdError(f"--top-p must be in (0, 1] (got {cfg.top_p})")
     if cfg.top_k < 0:
         raise QfdError(f"--top-k must be >= 0 (got {cfg.top_k}); 0 disables it")
-    if cfg.draft_len is not None and not cfg.drafter:
-        raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
-    if isinstance(cfg.draft_len, int) and cfg.draft_len < 1:
-        raise QfdError(f"--draft-len must be >= 1 (got {cfg.draft_len})")
-    from qfd.draft_vocab import check_draft_vocab_flag
-    from qfd.engine import check_short_block_flag, check_tree_flag
+    from qfd.engine import check_speculation_flags
 
-    check_short_block_flag(cfg.short_block, cfg.draft_len)
-    check_tree_flag(cfg.tree, cfg.drafter)
-
-    check_draft_vocab_flag(cfg.draft_vocab, cfg.drafter)
+    check_speculation_flags(cfg.drafter, cfg.draft_len, cfg.short_block, cfg.tree, cfg.draft_vocab)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:

@@ -198,8 +198,6 @@ def run(cfg: QadConfig) -> tuple[Path, dict]:
 
 def verify_grid(before, after) -> int:
     """Every scale / zero point bitwise equal and codes in range; returns how many codes changed."""
-    import torch
-
     from qfd.quant.grid import qrange
 
     changed = 0

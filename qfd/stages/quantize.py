@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -114,7 +113,7 @@ def run(cfg: QuantizeConfig) -> tuple[Path, dict]:
     from qfd.console import console
     from qfd.models.hf import load_hf_causal_lm, load_tokenizer
     from qfd.quant import calibrate
-    from qfd.quant.formats import FORMATS, build_checkpoint, load_quantized, save_quantized
+    from qfd.quant.formats import build_checkpoint, save_quantized
 
     model = load_hf_causal_lm(source, "cpu", torch.float32)
     linears = calibrate.quantizable_linears(model)

@@ -54,17 +54,9 @@ def check_config(cfg: ServeConfig) -> None:
         raise QfdError("--api-key is empty; give a non-empty key or drop the option")
     if cfg.max_len is not None and cfg.max_len < 2:
         raise QfdError(f"--max-len must be >= 2 (got {cfg.max_len})")
-    if cfg.draft_len is not None and not cfg.drafter:
-        raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
-    if isinstance(cfg.draft_len, int) and cfg.draft_len < 1:
-        raise QfdError(f"--draft-len must be >= 1 (got {cfg.draft_len})")
-    from qfd.engine import check_short_block_flag, check_tree_flag
+    from qfd.engine import check_speculation_flags
 
-    check_short_block_flag(cfg.short_block, cfg.draft_len)
-    check_tree_flag(cfg.tree, cfg.drafter)
-    from qfd.draft_vocab import check_draft_vocab_flag
-
-    check_draft_vocab_flag(cfg.draft_vocab, cfg.drafter)
+    check_speculation_flags(cfg.drafter, cfg.draft_len, cfg.short_block, cfg.tree, cfg.draft_vocab)
 
 
 def build(cfg: ServeConfig):
