@@ -18,6 +18,7 @@ import torch
 from qfd.engine import Engine, GenerationConfig
 from qfd.models.graphs import StaticDraftStep, StaticTargetSteps
 from tests.test_engine import HYBRID_AND_DENSE, make_drafter, one_thread, targets  # noqa: F401 (fixtures)
+from tests.test_graphs import TAPS, assert_steps_follow_the_dynamic_cache
 
 NEW = 40  # new tokens per generation: ~39 verify steps with an untrained drafter
 
@@ -77,29 +78,11 @@ def test_compiled_target_steps_match_the_dynamic_cache_through_rollbacks(targets
     """As tests/test_graphs.py, compiled: verify blocks kept in part (GDN states restored per
     position), then a decode step."""
     model = targets[family]
-    torch.manual_seed(1)
-    prompt = torch.randint(0, 512, (1, 20))
-    blocks = [torch.randint(0, 512, (1, 16)) for _ in range(4)]
-    keeps = [3, 16, 1, 7]
-    taps = (1, 2)
-    dynamic = model.new_cache(128)
     static_cache = model.new_cache(128 + 16, static=True)
     backend = counting()
-    steps = StaticTargetSteps(model, static_cache, sizes=(1, 16), tap_layers=taps, use_graphs=False, compile=True, compile_backend=backend)
+    steps = StaticTargetSteps(model, static_cache, sizes=(1, 16), tap_layers=TAPS, use_graphs=False, compile=True, compile_backend=backend)
     assert backend.frame_count == 2
-    with torch.inference_mode():
-        model(prompt, dynamic, tap_layers=taps)
-        steps(prompt, static_cache, tap_layers=taps)  # the prefill: eager
-        for block, keep in zip(blocks, keeps):
-            ref = model(block, dynamic, tap_layers=taps)
-            got = steps(block, static_cache, tap_layers=taps)
-            torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(got.taps, ref.taps, atol=1e-5, rtol=1e-5)
-            dynamic.rollback(dynamic.length - 16 + keep)
-            static_cache.rollback(static_cache.length - 16 + keep)
-        one = torch.randint(0, 512, (1, 1))
-        torch.testing.assert_close(steps(one, static_cache, tap_layers=taps).logits, model(one, dynamic, tap_layers=taps).logits, atol=1e-5, rtol=1e-5)
-    assert static_cache.length == dynamic.length
+    assert_steps_follow_the_dynamic_cache(model, steps, model.new_cache(128), static_cache)
     assert backend.frame_count == 2
 
 

@@ -7,35 +7,41 @@ import torch
 
 from qfd.models.graphs import StaticAppendStep, StaticDraftStep, StaticTargetSteps
 
+KEEPS = [3, 16, 1, 7]  # tokens kept of each verified 16-token block (rollback)
+TAPS = (1, 2)
+
+
+def assert_steps_follow_the_dynamic_cache(model, steps, dynamic, static_cache) -> None:
+    """A prompt, four 16-token verify blocks each kept in part (`KEEPS`: GDN states restored per
+    position), then a decode step: the fixed-shape steps on the static cache give the dynamic
+    path's logits and taps at every step."""
+    torch.manual_seed(1)
+    prompt = torch.randint(0, 512, (1, 20))
+    blocks = [torch.randint(0, 512, (1, 16)) for _ in KEEPS]
+    with torch.inference_mode():
+        ref = model(prompt, dynamic, tap_layers=TAPS)
+        got = steps(prompt, static_cache, tap_layers=TAPS)
+        torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
+        for block, keep in zip(blocks, KEEPS):
+            ref = model(block, dynamic, tap_layers=TAPS)
+            got = steps(block, static_cache, tap_layers=TAPS)
+            torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got.taps, ref.taps, atol=1e-5, rtol=1e-5)
+            dynamic.rollback(dynamic.length - 16 + keep)
+            static_cache.rollback(static_cache.length - 16 + keep)
+        one = torch.randint(0, 512, (1, 1))
+        torch.testing.assert_close(steps(one, static_cache, tap_layers=TAPS).logits, model(one, dynamic, tap_layers=TAPS).logits, atol=1e-5, rtol=1e-5)
+    assert static_cache.length == dynamic.length
+
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
 def test_static_target_steps_match_dynamic_cache(tiny_checkpoints, family):
     from qfd.models.loading import load_target
 
     model, _ = load_target(tiny_checkpoints[family], tokenizer=False)
-    torch.manual_seed(1)
-    prompt = torch.randint(0, 512, (1, 20))
-    blocks = [torch.randint(0, 512, (1, 16)) for _ in range(4)]
-    keeps = [3, 16, 1, 7]  # tokens kept of each verified block (rollback)
-    taps = (1, 2)
-
-    dynamic = model.new_cache(128)
     static_cache = model.new_cache(128 + 16, static=True)
-    steps = StaticTargetSteps(model, static_cache, sizes=(1, 16), tap_layers=taps, use_graphs=False)
-    with torch.inference_mode():
-        ref = model(prompt, dynamic, tap_layers=taps)
-        got = steps(prompt, static_cache, tap_layers=taps)
-        torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
-        for block, keep in zip(blocks, keeps):
-            ref = model(block, dynamic, tap_layers=taps)
-            got = steps(block, static_cache, tap_layers=taps)
-            torch.testing.assert_close(got.logits, ref.logits, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(got.taps, ref.taps, atol=1e-5, rtol=1e-5)
-            dynamic.rollback(dynamic.length - 16 + keep)
-            static_cache.rollback(static_cache.length - 16 + keep)
-        one = torch.randint(0, 512, (1, 1))
-        torch.testing.assert_close(steps(one, static_cache, tap_layers=taps).logits, model(one, dynamic, tap_layers=taps).logits, atol=1e-5, rtol=1e-5)
-    assert static_cache.length == dynamic.length
+    steps = StaticTargetSteps(model, static_cache, sizes=(1, 16), tap_layers=TAPS, use_graphs=False)
+    assert_steps_follow_the_dynamic_cache(model, steps, model.new_cache(128), static_cache)
 
 
 @pytest.mark.parametrize("window", [None, 8])
