@@ -70,7 +70,7 @@ _POINTERS = ("x_ptr", "q_ptr", "s_ptr", "z_ptr", "b_ptr", "y_ptr", "ws_ptr", "cn
 
 def compile_kernel(fn, runtime_args: dict[str, str], constants: dict, num_warps: int, num_stages: int, arch: int,
                    values: dict[str, int] | None = None, pointers: tuple[str, ...] = _POINTERS) -> tuple[str, int, int]:
-    """(SASS, registers per thread, static shared bytes) of one specialization of a Triton kernel,
+    """(SASS, registers per thread, shared bytes per block) of one specialization of a Triton kernel,
     specialized as a launch would be: `pointers` 16-byte aligned; an integer argument in `values`
     that divides by 16 gets that divisibility, one equal to 1 becomes the constant 1."""
     import triton
@@ -92,7 +92,10 @@ def compile_kernel(fn, runtime_args: dict[str, str], constants: dict, num_warps:
         usage = subprocess.run([str(_tools() / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     finally:
         cubin.unlink(missing_ok=True)
-    return sass, int(re.search(r"REG:(\d+)", usage).group(1)), int(re.search(r"SHARED:(\d+)", usage).group(1))
+    # shared memory: Triton's launch size (dynamic: pipeline stages, layout conversions) or the
+    # cubin's static allocation, whichever is larger
+    shared = max(int(compiled.metadata.shared), int(re.search(r"SHARED:(\d+)", usage).group(1)))
+    return sass, int(re.search(r"REG:(\d+)", usage).group(1)), shared
 
 
 _MM_ARGS = {name: ("*i32" if name in ("q_ptr", "cnt_ptr") else "*fp32" if name == "ws_ptr" else "*bf16") for name in _POINTERS} | {
@@ -143,7 +146,7 @@ def study(rows: list[int], gpu: str, arch: int, shapes=SHAPES) -> list[dict]:
                 loop = main_loop_stats(sass)
                 per_thread = weights / (32 * used.num_warps)
                 out.append({"rows": m, "linear": name, "n": n, "k": k, "form": label, "config": {key: v for key, v in vars(used).items() if v is not None},
-                            "registers": registers, "shared_static_bytes": shared, "loop_instructions": loop.instructions,
+                            "registers": registers, "shared_bytes": shared, "loop_instructions": loop.instructions,
                             "instructions_per_weight": loop.instructions / per_thread, "barriers_per_trip": loop.count("BAR"),
                             "shared_moves_per_trip": loop.count(*MEMORY_MOVES[:3]), "mma_per_trip": loop.count("HMMA", "HGMMA"), "opcodes": loop.opcodes})
     return out

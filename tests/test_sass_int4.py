@@ -86,6 +86,24 @@ def test_the_two_slot_gemv_compiles_to_fewer_instructions_per_weight_than_the_se
     assert per_weight["two-slot gemv"] < 0.85 * per_weight["served (gemv)"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="compiling needs triton (not on CI), and not its interpreter")
+@pytest.mark.parametrize("arch", [80, 86, 89])
+def test_every_int4_kernel_form_compiles_for_ampere_and_ada(arch):
+    """The paper's GPU is an A10G (sm_86), and no A10G, A100 or L4 has run these kernels: every
+    form (the served one-row and 16-row kernels, the two-slot gemv, the tensor-core kernel) builds
+    for those architectures at the heuristic configs a GPU without a tuned table gets, its loop
+    found and its shared memory within the A10G's 99 KB per block (and the H100 table's one-row
+    gemv configs, for the `_int4_gemv_kernel` the heuristic does not pick)."""
+    from sass_int4 import study
+
+    shapes = (("mlp down_proj", 2560, 9216), ("gdn in_proj_qkv", 8192, 2560))
+    rows = study([1, 16], "a GPU without a tuned table", arch, shapes) + study([1], "NVIDIA H100 80GB HBM3", arch, shapes[:1])
+    assert {r["form"] for r in rows} >= {"served", "served (gemv)", "two-slot gemv", "mma16 (16-row block)", "old", "mma16"}
+    for r in rows:
+        assert r["loop_instructions"] > 0 and r["shared_bytes"] <= 99 * 1024, r
+
+
 def test_the_mma16_sweep_grid_adds_the_new_kernel_beside_the_served_splits():
     from bench_int4_kernels import sweep_configs
 
