@@ -63,14 +63,18 @@ def _environment_configs() -> dict[int, tuple[int, int, int]]:
     return parse_configs(os.environ.get("QFD_ATTENTION_CONFIG", ""))  # read at the first step, not at import
 
 
-def split_config(head_dim: int, block_rows: int) -> tuple[int, int, int]:
+def split_config(head_dim: int, block_rows: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int, int]:
     """(keys per loop step, warps, stages) for the split kernel: CONFIGS' or QFD_ATTENTION_CONFIG's
     entry, else 32 keys, 4 warps, 2 stages for 256-wide heads - the fastest of 8 configs at every
     Qwen3.5-4B step but one (bench/bench_attention.py on the H100, docs/benchmarks.md twelfth
-    session) - and 64 keys for narrower heads (not measured)."""
+    session) - and 64 keys for narrower heads (not measured). float32 256-wide heads at 64 rows a
+    block take 136 KB of shared memory per block that way, more than an A10G / L4 (sm_86 / 89)
+    has (99 KB): 16 keys and one stage take 84 KB there (bf16: 68 KB; bench/compile_kernels.py)."""
     for table in (CONFIGS, _environment_configs()):
         if block_rows in table:
             return table[block_rows]
+    if dtype == torch.float32 and head_dim > 128:
+        return 16, 4, 1
     return (32 if head_dim > 128 else 64), 4, 2
 
 
@@ -217,7 +221,7 @@ def split_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
         group, rows = H // kv_heads, H // kv_heads * T
         processors = _multiprocessors(q.device.index or 0) if q.is_cuda else 4
         block_rows = block_rows_for(rows)
-        block_keys, warps, stages = split_config(D, block_rows)
+        block_keys, warps, stages = split_config(D, block_rows, q.dtype)
         splits, _ = launch_shape(B, kv_heads, rows, S, processors, block_keys)
         row_blocks = -(-rows // block_rows)
         acc = torch.empty(B * kv_heads * splits * rows, D, dtype=torch.float32, device=q.device)

@@ -41,7 +41,7 @@ class Int8Config:
     num_stages: int = 3
 
 
-def pick_config(m: int) -> Int8Config:
+def pick_config(m: int, dtype: torch.dtype = torch.bfloat16) -> Int8Config:
     """Launch parameters by row count (1: CUDA-core path; 2-32: tensor cores, 16 or 32 rows a block)."""
     # bench_head.py's fastest configs on the H100 at 248320 x 2560 (docs/benchmarks.md,
     # 2026-12-07 twenty-fourth session), per row count; one row reads 2770 GB/s
@@ -49,7 +49,9 @@ def pick_config(m: int) -> Int8Config:
         return Int8Config(use_dot=False, block_n=64, num_warps=8, num_stages=3)
     if m <= 16:
         return Int8Config(use_dot=True, block_n=32, block_m=16, num_warps=4, num_stages=3)
-    return Int8Config(use_dot=True, block_n=64, block_m=32, num_warps=4, num_stages=4)
+    # float32 x doubles the x tiles: 4 stages take 105 KB of shared memory per block, more than an
+    # A10G / L4 (sm_86 / 89) has (99 KB); 3 take 81 KB (bf16: 48 KB at 4; bench/compile_kernels.py)
+    return Int8Config(use_dot=True, block_n=64, block_m=32, num_warps=4, num_stages=3 if dtype == torch.float32 else 4)
 
 
 def quantize_int8(weight: torch.Tensor, group_size: int, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +140,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, config: 
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    cfg = config or pick_config(m)
+    cfg = config or pick_config(m, x.dtype)
     if not cfg.use_dot and m != 1:
         raise ValueError("the CUDA-core INT8 path takes one row")
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m) if cfg.use_dot else 1)
