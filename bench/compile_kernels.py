@@ -121,11 +121,10 @@ def compile_all(launches: list[dict], archs: list[int]) -> list[dict]:
     for entry in launches:  # launches that differ only in non-constexpr scalar values build the same code
         fn = getattr(importlib.import_module(entry["module"]), entry["kernel"])
         source, options, key = specialization(fn, entry)
-        builds.setdefault(key, (entry, source, options))
-    for entry, source, options in track(list(builds.values()), description=f"building {len(builds)} specializations x {len(archs)} archs"):
+        builds.setdefault(key, (entry, source, options, constexpr_values(fn, entry)))
+    for entry, source, options, constexprs in track(list(builds.values()), description=f"building {len(builds)} specializations x {len(archs)} archs"):
         for arch in archs:
-            row = {"module": entry["module"], "kernel": entry["kernel"], "arch": arch, "options": options,
-                   "constexprs": constexpr_values(getattr(importlib.import_module(entry["module"]), entry["kernel"]), entry)}
+            row = {"module": entry["module"], "kernel": entry["kernel"], "arch": arch, "options": options, "constexprs": constexprs}
             try:
                 compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
                 row |= {"ok": True, "shared": int(compiled.metadata.shared), "registers": _registers(compiled)}

@@ -179,9 +179,11 @@ def default_eos_ids(tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def check_short_block_flag(short_block: bool, draft_len: int | None) -> None:
-    """--short-block cuts the drafter's block to the draft_len + 1 slots verified: without a
-    --draft-len it would be the whole block, a flag that does nothing."""
+def check_short_block_flag(short_block: bool, draft_len: int | None, drafter) -> None:
+    """--short-block cuts the drafter's block to the draft_len + 1 slots verified: it needs a
+    drafter, and without a --draft-len it would be the whole block, a flag that does nothing."""
+    if short_block and not drafter:
+        raise QfdError("--short-block needs a drafter (--drafter) and --draft-len")
     if short_block and draft_len is None:
         raise QfdError("--short-block needs --draft-len k (it runs the drafter's block over the k + 1 slots verified)")
 
@@ -218,9 +220,7 @@ def check_speculation_flags(drafter, draft_len: int | str | None, short_block: b
         raise QfdError("--draft-len needs a drafter (--drafter); target-only decoding drafts nothing")
     if isinstance(draft_len, int) and draft_len < 1:
         raise QfdError(f"--draft-len must be >= 1 (got {draft_len})")
-    if short_block and not drafter:
-        raise QfdError("--short-block needs a drafter (--drafter) and --draft-len")
-    check_short_block_flag(short_block, draft_len)
+    check_short_block_flag(short_block, draft_len, drafter)
     check_tree_flag(tree, drafter)
     check_draft_vocab_flag(draft_vocab, drafter)
 
